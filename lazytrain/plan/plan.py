@@ -1,0 +1,152 @@
+"""Plan: the frozen, versioned, hashed decision record that the executor, simulator and CLI share.
+
+Per layer (execution order: embed, block.0 .. block.{L-1}, head):
+- `recompute`: the layer's forward is re-run in backward from its segment's kept input;
+- `segment_start`: index of the first layer of its checkpoint segment; consecutive recomputed
+  layers with the same `segment_start` form one segment (kept input = the output of layer
+  `segment_start - 1`, i.e. the segment's input boundary);
+- `activation_tier`: where what the layer keeps for backward lives: for the first layer of a
+  recompute segment, the segment's input boundary; for a stored (not recomputed) layer, all the
+  activations it saves (via saved-tensor hooks); "none" for the other layers of a segment;
+- `param_tier`: where the compute-dtype weights live between uses (device = resident);
+- `grad_tier`, `optimizer_tier`: where fp32 gradients and master weights + optimizer states live.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from ..spec import HardwareSpec, JobSpec
+
+SCHEMA_VERSION = 1
+STATUSES = ("optimal", "feasible", "infeasible")
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    max_segment_len: int = 8          # longest checkpoint segment considered
+    time_limit_s: float = 30.0
+    solver: str = "auto"              # "auto" (HiGHS if installed, else CBC) | "highs" | "cbc"
+    prefetch_depth: int = 2           # parameter buffers on the device for streaming
+    mip_gap: float = 1e-3
+    allow_nvme: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PlannerOptions":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    name: str
+    kind: str
+    index: int
+    recompute: bool
+    segment_start: int
+    activation_tier: str
+    param_tier: str
+    grad_tier: str
+    optimizer_tier: str
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    wall_s: float
+    gap: float | None
+    status_detail: str = ""
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    tokens_per_s: float
+    peak_bytes: Mapping[str, int]       # {"device", "host", "nvme"}
+    compute_s: float = 0.0               # forward + backward compute, no recompute
+    recompute_s: float = 0.0
+    exposed_transfer_s: float = 0.0      # step time beyond compute + recompute
+
+
+@dataclass(frozen=True)
+class Plan:
+    schema_version: int
+    input_hash: str
+    status: str                          # optimal | feasible | infeasible
+    method: str                          # "milp" or "heuristic:<name>"
+    solver: SolverInfo
+    predicted: Predicted
+    layers: tuple[LayerDecision, ...]
+    model_name: str
+    model_config: Mapping[str, Any]
+    hardware: HardwareSpec
+    job: JobSpec
+    options: PlannerOptions
+    lazytrain_version: str
+    explanation: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return self.status in ("optimal", "feasible")
+
+    def layer(self, name: str) -> LayerDecision:
+        for d in self.layers:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Recompute segments as (first_index, last_index) inclusive, in execution order."""
+        out: list[tuple[int, int]] = []
+        for d in self.layers:
+            if not d.recompute:
+                continue
+            if out and out[-1][0] == d.segment_start and out[-1][1] == d.index - 1:
+                out[-1] = (out[-1][0], d.index)
+            else:
+                out.append((d.index, d.index))
+        return out
+
+    # ---- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = [asdict(x) for x in self.layers]
+        d["explanation"] = list(self.explanation)
+        return d
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        d = dict(d)
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}")
+        if d.get("status") not in STATUSES:
+            raise ValueError(f"plan status {d.get('status')!r} not in {STATUSES}")
+        return cls(
+            schema_version=d["schema_version"], input_hash=d["input_hash"], status=d["status"],
+            method=d["method"], solver=SolverInfo(**d["solver"]),
+            predicted=Predicted(**d["predicted"]),
+            layers=tuple(LayerDecision(**x) for x in d["layers"]),
+            model_name=d["model_name"], model_config=d["model_config"],
+            hardware=HardwareSpec.from_dict(d["hardware"]), job=JobSpec.from_dict(d["job"]),
+            options=PlannerOptions.from_dict(d["options"]),
+            lazytrain_version=d["lazytrain_version"], explanation=tuple(d.get("explanation", ())),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+def input_hash(model_config: Mapping[str, Any], hardware: HardwareSpec, job: JobSpec,
+               options: PlannerOptions, method: str, versions: Mapping[str, str]) -> str:
+    """Content hash over every input that can change a plan."""
+    blob = json.dumps({
+        "schema_version": SCHEMA_VERSION, "model": model_config, "hardware": asdict(hardware),
+        "job": asdict(job), "options": asdict(options), "method": method, "versions": dict(versions),
+    }, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]

@@ -1,0 +1,78 @@
+"""JobSpec: what one training step does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from .units import dtype_bytes
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    batch_size: int = 1                 # sequences per micro-batch
+    seq_len: int = 512
+    grad_accum: int = 1                 # micro-batches per optimizer step
+    mode: str = "full"                  # "full" | "lora"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    compute_dtype: str = "bf16"
+    master_dtype: str = "fp32"
+    optimizer_state_bits: int = 32      # 32 or 8
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("full", "lora"):
+            raise ValueError(f"job.mode must be 'full' or 'lora', got {self.mode!r}")
+        if self.optimizer_state_bits not in (8, 32):
+            raise ValueError(f"job.optimizer_state_bits must be 8 or 32, got {self.optimizer_state_bits}")
+        for k in ("batch_size", "seq_len", "grad_accum"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"job.{k} must be >= 1, got {getattr(self, k)}")
+        if self.mode == "lora" and self.lora_rank < 1:
+            raise ValueError(f"job.lora_rank must be >= 1, got {self.lora_rank}")
+        dtype_bytes(self.compute_dtype)
+        dtype_bytes(self.master_dtype)
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens_per_micro_batch * self.grad_accum
+
+    @property
+    def compute_bytes(self) -> int:
+        return dtype_bytes(self.compute_dtype)
+
+    @property
+    def master_bytes(self) -> int:
+        return dtype_bytes(self.master_dtype)
+
+    @property
+    def optimizer_state_bytes_per_param(self) -> float:
+        """m and v: 2 x 4 bytes in fp32; 2 x (1 byte + an fp32 absmax per 4096-block) in 8-bit."""
+        return 8.0 if self.optimizer_state_bits == 32 else 2.0 * (1 + 4 / 4096)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown job keys {unknown}; valid: {sorted(known)}")
+        d = dict(d)
+        if "lora_targets" in d:
+            d["lora_targets"] = tuple(d["lora_targets"])
+        return cls(**d)

@@ -1,0 +1,272 @@
+"""ModelSpec: a causal LM described layer by layer from its Hugging Face config, without weights.
+
+Per layer (embedding, each decoder block, final norm + head): parameter count, forward FLOPs per
+token, bytes of every activation the layer saves for backward (per token, for HF's implementation:
+fp32-upcast RMSNorm, SDPA attention, SwiGLU MLP), and the boundary activation size.
+Pure Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "vocab_size", "intermediate_size")
+
+
+class ModelConfigError(ValueError):
+    """A config.json that cannot describe a model we plan for."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear projection inside a block (per expert for expert linears)."""
+    name: str            # e.g. "q_proj", "experts.gate_proj"
+    in_features: int
+    out_features: int
+    count: int = 1       # how many copies (experts) the block holds
+    active: int = 1      # how many of them a token uses (top-k for experts)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    name: str                           # "embed", "block.3", "head"
+    kind: str                           # "embed" | "block" | "head"
+    index: int                          # position in execution order (0 = embed)
+    param_count: int
+    active_param_count: int             # params a token touches (MoE: top-k experts)
+    matmul_flops_fwd_per_token: int     # 2 * active matmul params
+    attn_flops_fwd_per_token_per_seq: int  # causal attention: x seq_len
+    saved_bytes_per_token: Mapping[str, int]  # activation name -> bytes/token saved for backward
+    linears: tuple[Linear, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_param_count: int = 0         # one expert's parameters
+
+    def flops_fwd(self, tokens: int, seq_len: int) -> float:
+        return tokens * (self.matmul_flops_fwd_per_token
+                         + self.attn_flops_fwd_per_token_per_seq * seq_len)
+
+    def flops_bwd(self, tokens: int, seq_len: int, weight_grads: bool = True) -> float:
+        """Backward FLOPs: input grads (1x fwd matmul) + weight grads (1x, full FT only); attention 2x."""
+        mm = tokens * self.matmul_flops_fwd_per_token * (2 if weight_grads else 1)
+        return mm + 2 * tokens * self.attn_flops_fwd_per_token_per_seq * seq_len
+
+    def saved_bytes(self, tokens: int) -> int:
+        return tokens * sum(self.saved_bytes_per_token.values())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layers: tuple[LayerSpec, ...]
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def param_count(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.num_experts for layer in self.layers)
+
+    @property
+    def blocks(self) -> tuple[LayerSpec, ...]:
+        return tuple(layer for layer in self.layers if layer.kind == "block")
+
+    def boundary_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The residual stream between blocks: what a checkpoint keeps per token."""
+        return self.hidden_size * dtype_bytes
+
+    def lora_param_count(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters for LoRA of `rank` on linears whose name ends with a target."""
+        total = 0
+        for layer in self.layers:
+            for lin in layer.linears:
+                if lin.name.split(".")[-1] in targets:
+                    total += lin.count * rank * (lin.in_features + lin.out_features)
+        return total
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelSpec":
+        d = json.loads(text)
+        layers = []
+        for ld in d.pop("layers"):
+            ld["linears"] = tuple(Linear(**lin) for lin in ld["linears"])
+            layers.append(LayerSpec(**ld))
+        return cls(layers=tuple(layers), **d)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> "ModelSpec":
+        return _build(dict(config), name)
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
+        p = Path(path)
+        cfg_path = p / "config.json"
+        if not cfg_path.is_file():
+            raise ModelConfigError(f"{p}: no config.json (model.path must be a local Hugging Face model dir)")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+        return _build(cfg, name or p.name)
+
+
+# ---- construction from an HF config ---------------------------------------------------------
+
+def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _build(cfg: dict, name: str | None) -> ModelSpec:
+    # Some configs (multimodal wrappers) nest the LM under text_config.
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = {**cfg["text_config"]}
+    missing = [k for k in REQUIRED_KEYS if k not in cfg]
+    if missing:
+        raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
+    family = cfg["model_type"]
+    if family not in FAMILIES:
+        raise ModelConfigError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+
+    H = int(cfg["hidden_size"])
+    L = int(cfg["num_hidden_layers"])
+    V = int(cfg["vocab_size"])
+    nh = int(cfg["num_attention_heads"])
+    nkv = int(_get(cfg, "num_key_value_heads", default=nh))
+    hd = int(_get(cfg, "head_dim", default=H // nh))
+    inter = int(cfg["intermediate_size"])
+    tied = bool(cfg.get("tie_word_embeddings", family in ()))
+
+    layers: list[LayerSpec] = [LayerSpec(
+        name="embed", kind="embed", index=0, param_count=V * H, active_param_count=V * H,
+        matmul_flops_fwd_per_token=0, attn_flops_fwd_per_token_per_seq=0,
+        saved_bytes_per_token={"input_ids": 8},
+    )]
+    for i in range(L):
+        layers.append(_block(cfg, family, i, H, nh, nkv, hd, inter))
+    head_params = H + (0 if tied else V * H)  # final norm (+ lm_head unless tied to the embedding)
+    layers.append(LayerSpec(
+        name="head", kind="head", index=L + 1, param_count=head_params,
+        active_param_count=H + V * H,
+        matmul_flops_fwd_per_token=2 * V * H, attn_flops_fwd_per_token_per_seq=0,
+        # final RMSNorm (fp32 upcast input + rstd + bf16 normed), lm_head input, logits (bf16),
+        # loss: fp32 logits and log-softmax (HF upcasts logits before cross-entropy).
+        saved_bytes_per_token={"norm_fp32_in": 4 * H, "norm_out": 2 * H, "lm_head_in": 2 * H,
+                               "logits": 2 * V, "logits_fp32": 4 * V, "log_softmax": 4 * V},
+        linears=(Linear("lm_head", H, V),),
+    ))
+    return ModelSpec(
+        name=name or cfg.get("_name_or_path") or family, family=family, hidden_size=H,
+        num_layers=L, vocab_size=V, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+        intermediate_size=inter,
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
+        tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
+    )
+
+
+def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:
+    """(num_experts, top_k, expert_intermediate, shared_intermediate) for block i; zeros if dense."""
+    if family == "mixtral":
+        return int(_get(cfg, "num_local_experts", "num_experts", default=8)), int(cfg.get("num_experts_per_tok", 2)), \
+            int(cfg["intermediate_size"]), 0
+    if family in ("qwen3_moe", "qwen2_moe"):
+        E = int(_get(cfg, "num_experts", "num_local_experts", default=0))
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense_layers = set(cfg.get("mlp_only_layers") or [])
+        if E == 0 or i in dense_layers or (i + 1) % step != 0:
+            return 0, 0, 0, 0
+        shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
+        return E, int(cfg.get("num_experts_per_tok", 2)), int(cfg["moe_intermediate_size"]), shared
+    if family == "olmoe":
+        return int(_get(cfg, "num_experts", "num_local_experts", default=64)), int(cfg.get("num_experts_per_tok", 8)), \
+            int(cfg["intermediate_size"]), 0
+    return 0, 0, 0, 0
+
+
+def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, inter: int) -> LayerSpec:
+    q_out, kv_out = nh * hd, nkv * hd
+    if family in ("qwen2", "qwen2_moe"):
+        qkv_bias, o_bias = True, False
+    else:
+        b = bool(cfg.get("attention_bias", False))
+        qkv_bias, o_bias = b, b
+    linears = [Linear("q_proj", H, q_out), Linear("k_proj", H, kv_out),
+               Linear("v_proj", H, kv_out), Linear("o_proj", q_out, H)]
+    params = H * q_out + 2 * H * kv_out + q_out * H
+    params += (q_out + 2 * kv_out) * qkv_bias + H * o_bias
+    params += 2 * H  # input_layernorm + post_attention_layernorm
+    if family in ("qwen3", "qwen3_moe"):
+        params += 2 * hd  # per-head q_norm, k_norm
+    elif family == "olmoe":
+        params += q_out + kv_out  # q_norm, k_norm over the whole projection
+    attn_params = params
+
+    E, k, moe_inter, shared_inter = _moe_layout(cfg, family, i)
+    mlp_bias = bool(cfg.get("mlp_bias", False)) if family == "llama" else False
+    expert_params = 0
+    if E:
+        expert_params = 3 * H * moe_inter
+        router = H * E
+        params += router + E * expert_params
+        active_mlp = router + k * expert_params
+        linears += [Linear("gate", H, E),
+                    Linear("experts.gate_proj", H, moe_inter, E, k),
+                    Linear("experts.up_proj", H, moe_inter, E, k),
+                    Linear("experts.down_proj", moe_inter, H, E, k)]
+        if shared_inter:
+            shared = 3 * H * shared_inter + H  # shared expert + its sigmoid gate
+            params += shared
+            active_mlp += shared
+            linears += [Linear("shared_expert.gate_proj", H, shared_inter),
+                        Linear("shared_expert.up_proj", H, shared_inter),
+                        Linear("shared_expert.down_proj", shared_inter, H)]
+        mlp_act_per_token = k * (4 * moe_inter + H) * 2 + 4 * E + (8 * shared_inter if shared_inter else 0)
+    else:
+        mlp = 3 * H * inter + (2 * inter + H) * mlp_bias
+        params += mlp
+        active_mlp = mlp
+        linears += [Linear("gate_proj", H, inter), Linear("up_proj", H, inter),
+                    Linear("down_proj", inter, H)]
+        mlp_act_per_token = 4 * inter * 2  # gate out, up out, silu(gate), silu*up (bf16)
+
+    active = attn_params + active_mlp
+    saved = {
+        # two RMSNorms, each: fp32 upcast input + normalised bf16 (weight multiply) + output
+        "norms": 2 * (4 * H + 2 * H + 2 * H),
+        # SDPA keeps q, k, v (after RoPE), output and logsumexp; o_proj keeps its contiguous input
+        "attention": 2 * (q_out + 2 * kv_out + q_out) + 4 * nh + 2 * q_out,
+        "mlp": mlp_act_per_token,
+    }
+    return LayerSpec(
+        name=f"block.{i}", kind="block", index=i + 1, param_count=params,
+        active_param_count=active, matmul_flops_fwd_per_token=2 * (active - 2 * H),
+        attn_flops_fwd_per_token_per_seq=2 * nh * hd,  # QK^T and AV, causal half: 2*2*S*nh*hd/2
+        saved_bytes_per_token=saved, linears=tuple(linears),
+        num_experts=E, experts_per_token=k, expert_param_count=expert_params,
+    )
