@@ -1,0 +1,160 @@
+"""Aligned, optionally O_DIRECT, file I/O into torch buffers, with a thread pool for overlap.
+
+O_DIRECT needs the buffer address, file offset and length 512-byte aligned (../shared/MACHINE.md);
+a plain torch.empty is only 64-byte aligned, so `aligned_empty` over-allocates and slices.
+Where the filesystem refuses O_DIRECT (tmpfs, some overlayfs), files fall back to buffered I/O and
+say so in `DirectFile.direct` / `.reason`, so benchmarks can report that reads were cached.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ALIGN_BYTES = 4096
+
+
+def round_up(n: int, align: int = ALIGN_BYTES) -> int:
+    return (n + align - 1) // align * align
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN_BYTES, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` whose data pointer is `align`-aligned."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    shift = (-raw.data_ptr()) % align
+    return raw[shift:shift + nbytes]
+
+
+def is_aligned(t: torch.Tensor, align: int = ALIGN_BYTES) -> bool:
+    return t.data_ptr() % align == 0
+
+
+class DiskIOError(OSError):
+    """An I/O failure that names the file and the operation."""
+
+
+class DirectFile:
+    """One file opened for aligned positional reads/writes; O_DIRECT when the filesystem allows."""
+
+    def __init__(self, path: str | os.PathLike, mode: str = "r", direct: bool = True,
+                 size_bytes: int | None = None) -> None:
+        self.path = Path(path)
+        flags = {"r": os.O_RDONLY, "w": os.O_RDWR | os.O_CREAT, "rw": os.O_RDWR}[mode]
+        self.direct, self.reason = False, "direct I/O not requested"
+        fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+                self.direct, self.reason = True, "O_DIRECT"
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise DiskIOError(e.errno, f"open {self.path} ({mode}): {e.strerror}") from e
+                self.reason = f"O_DIRECT refused by the filesystem ({e.strerror}); buffered I/O"
+        if fd < 0:
+            try:
+                fd = os.open(self.path, flags, 0o644)
+            except OSError as e:
+                raise DiskIOError(e.errno, f"open {self.path} ({mode}): {e.strerror}") from e
+        self.fd = fd
+        if size_bytes is not None and mode != "r":
+            os.ftruncate(fd, size_bytes)
+
+    def _check(self, buf: torch.Tensor, offset: int) -> None:
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ValueError("I/O buffers must be contiguous CPU tensors")
+        if self.direct and (buf.data_ptr() % 512 or offset % 512 or buf.nbytes % 512):
+            raise ValueError(f"{self.path}: O_DIRECT needs 512-byte aligned address, offset and "
+                             f"length (got ptr%512={buf.data_ptr() % 512}, offset={offset}, "
+                             f"len={buf.nbytes}); use aligned_empty/round_up")
+
+    def read_into(self, buf: torch.Tensor, offset: int) -> int:
+        """Fill `buf` (all of it) from `offset`; returns bytes read."""
+        self._check(buf, offset)
+        mv = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+        done = 0
+        try:
+            while done < len(mv):
+                n = os.preadv(self.fd, [mv[done:]], offset + done)
+                if n == 0:
+                    raise DiskIOError(errno.EIO, f"read {self.path}: unexpected end of file at "
+                                                 f"offset {offset + done} (file truncated?)")
+                done += n
+        except OSError as e:
+            if isinstance(e, DiskIOError):
+                raise
+            raise DiskIOError(e.errno, f"read {self.path} @ {offset}+{len(mv)}: {e.strerror}") from e
+        return done
+
+    def write_from(self, buf: torch.Tensor, offset: int) -> int:
+        self._check(buf, offset)
+        mv = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+        done = 0
+        try:
+            while done < len(mv):
+                done += os.pwritev(self.fd, [mv[done:]], offset + done)
+        except OSError as e:
+            raise DiskIOError(e.errno, f"write {self.path} @ {offset}+{len(mv)}: {e.strerror}") from e
+        return done
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "DirectFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class IOPool:
+    """A small thread pool for asynchronous reads/writes (os.preadv releases the GIL)."""
+
+    def __init__(self, workers: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lazytrain-io")
+
+    def read(self, f: DirectFile, buf: torch.Tensor, offset: int) -> Future:
+        return self._pool.submit(f.read_into, buf, offset)
+
+    def write(self, f: DirectFile, buf: torch.Tensor, offset: int) -> Future:
+        return self._pool.submit(f.write_from, buf, offset)
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def drop_page_cache(path: str | os.PathLike | None = None) -> bool:
+    """Best effort: evict cached pages (of one file via fadvise, or all as root). True if done."""
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            return True
+        except OSError:
+            return False
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
