@@ -1,0 +1,61 @@
+"""A small real-text corpus built from files every CPython install has.
+
+`pydoc_data.topics` holds the Python language reference and library prose (~0.8 MB of English);
+the license texts of the interpreter and of /usr/share/common-licenses (when present) add more.
+No network, deterministic for a given Python version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def _sources() -> list[tuple[str, str]]:
+    import sys
+
+    from pydoc_data import topics  # ships with every CPython
+
+    docs = [(f"pydoc:{k}", topics.topics[k]) for k in sorted(topics.topics)]
+    licenses: list[tuple[str, str]] = []
+    for d in (Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}",
+              Path("/usr/share/common-licenses")):
+        cands = [d / "LICENSE.txt"] if d.name.startswith("python") else sorted(d.glob("*"))
+        for p in cands:
+            if p.is_file() and p.stat().st_size < 200_000:
+                try:
+                    licenses.append((f"file:{p}", p.read_text(encoding="utf-8")))
+                except (UnicodeDecodeError, OSError):
+                    pass
+    return docs + licenses
+
+
+def build_corpus(out_dir: str | Path, val_fraction: float = 0.05) -> tuple[Path, Path]:
+    """Write train.txt and val.txt (documents separated by blank lines); returns their paths.
+
+    The split is by document (every 1/val_fraction-th document goes to validation) so validation
+    text is never seen in training. Rebuilt only when missing.
+    """
+    out = Path(out_dir)
+    train_p, val_p = out / "train.txt", out / "val.txt"
+    if train_p.is_file() and val_p.is_file():
+        return train_p, val_p
+    out.mkdir(parents=True, exist_ok=True)
+    every = max(2, round(1 / val_fraction))
+    train, val = [], []
+    for i, (_, text) in enumerate(_sources()):
+        text = text.strip()
+        if text:
+            (val if i % every == every - 1 else train).append(text)
+    for p, docs in ((train_p, train), (val_p, val)):
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+        tmp.replace(p)
+    return train_p, val_p
+
+
+def corpus_fingerprint(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(Path(p).read_bytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,28 @@
+"""Train a small byte-level BPE tokenizer locally and save it as a Hugging Face tokenizer dir
+(`AutoTokenizer.from_pretrained(dir)` loads it offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_tokenizer(text_files: list[str | Path], out_dir: str | Path, vocab_size: int = 2048) -> Path:
+    """Train (once) and save; returns the directory."""
+    out = Path(out_dir)
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(p) for p in text_files], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>", bos_token="<|endoftext|>")
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return out
