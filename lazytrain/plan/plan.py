@@ -31,7 +31,7 @@ class PlannerOptions:
     time_limit_s: float = 30.0
     solver: str = "auto"              # "auto" (HiGHS if installed, else CBC) | "highs" | "cbc"
     prefetch_depth: int = 2           # parameter buffers on the device for streaming
-    mip_gap: float = 1e-3
+    mip_gap: float = 0.01
     allow_nvme: bool = True
 
     @classmethod

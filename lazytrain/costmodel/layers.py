@@ -1,0 +1,104 @@
+"""Per-layer costs of one micro-batch: bytes that can move between tiers, seconds of compute.
+
+Everything the planner and the simulator charge comes from here, so the two cannot disagree on a
+number. Times are analytic (FLOPs / achieved FLOP/s); `lazytrain profile` fits the efficiency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import HardwareSpec, JobSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    name: str
+    kind: str                 # embed | block | head
+    index: int
+    param_bytes: int          # compute-dtype weights one use of the layer needs on the device
+    param_store_bytes: int    # what its param tier stores (0 for a tied head: the embed holds it)
+    trainable_params: int     # updated by the host optimizer (0 for LoRA base weights)
+    grad_device_bytes: int    # compute-dtype grads leaving the device per micro-batch
+    grad_store_bytes: int     # fp32 grads on the grad tier
+    optimizer_bytes: int      # fp32 master + both moments on the optimizer tier
+    fwd_s: float
+    bwd_s: float
+    act_bytes: int            # everything the layer saves for backward (stored mode)
+    boundary_in_bytes: int    # its input boundary: what a checkpoint keeps
+    bwd_transient_bytes: int  # gradient temporaries alive while its backward runs
+    optimizer_s: float        # host optimizer step for this layer
+
+
+@dataclass(frozen=True)
+class JobCosts:
+    layers: tuple[LayerCost, ...]
+    num_blocks: int
+    grad_accum: int
+    tokens_per_micro_batch: int
+    device_static_bytes: int  # workspace + LoRA adapters/grads/states + boundary grad buffers
+    host_static_bytes: int    # what always sits on the host regardless of tiers
+    host_capacity_bytes: int
+    device_capacity_bytes: int
+    nvme_capacity_bytes: int
+    trains_base: bool         # full fine-tuning (grads and optimizer for every layer)
+
+    @property
+    def blocks(self) -> tuple[LayerCost, ...]:
+        return self.layers[1:-1]
+
+
+def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
+    tokens = job.tokens_per_micro_batch
+    cb = job.compute_bytes
+    full = job.mode == "full"
+    flops = hw.achieved_flops_per_s
+    # fp32 master (or none if master dtype == compute dtype and fp32) + moments
+    opt_per_param = job.master_bytes + job.optimizer_state_bytes_per_param
+    # host update streams master, grad, both moments in and out; memory-bound
+    opt_traffic_per_param = 2 * (job.master_bytes + job.optimizer_state_bytes_per_param) + 4 + cb
+    bnd = model.boundary_bytes_per_token(cb) * tokens
+
+    out: list[LayerCost] = []
+    for spec in model.layers:
+        tied_head = spec.kind == "head" and model.tie_word_embeddings
+        stream_params = spec.param_count + (model.vocab_size * model.hidden_size if tied_head else 0)
+        trainable = spec.param_count if full else 0
+        # bf16 saved bytes in the spec assume 2-byte compute; scale if the job computes in fp32
+        act = spec.saved_bytes(tokens) * cb // 2
+        if spec.kind == "block":
+            inter = max((lin.out_features for lin in spec.linears if lin.name.endswith("up_proj")),
+                        default=model.intermediate_size)
+            k = max(1, spec.experts_per_token)
+            bwd_tr = tokens * (2 * model.hidden_size * 4 + 3 * inter * k * cb)
+        elif spec.kind == "head":
+            bwd_tr = tokens * model.vocab_size * 4  # grad of the fp32 logits
+        else:
+            bwd_tr = 0
+        out.append(LayerCost(
+            name=spec.name, kind=spec.kind, index=spec.index,
+            param_bytes=stream_params * cb, param_store_bytes=spec.param_count * cb,
+            trainable_params=trainable, grad_device_bytes=trainable * cb,
+            grad_store_bytes=trainable * 4, optimizer_bytes=int(trainable * opt_per_param),
+            fwd_s=spec.flops_fwd(tokens, job.seq_len) / flops,
+            bwd_s=spec.flops_bwd(tokens, job.seq_len, weight_grads=full) / flops,
+            act_bytes=act, boundary_in_bytes=bnd if spec.kind != "embed" else 0,
+            bwd_transient_bytes=bwd_tr,
+            optimizer_s=trainable * opt_traffic_per_param / hw.host_memory_bytes_per_s,
+        ))
+
+    lora_params = 0 if full else model.lora_param_count(job.lora_rank, job.lora_targets)
+    # LoRA adapters stay resident with fp32 master, grads and both moments on the device
+    lora_bytes = lora_params * (4 + 4 + 8)
+    max_grad = max(c.grad_device_bytes for c in out)
+    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + 2 * max_grad
+    host_capacity = hw.host_usable_bytes
+    if hw.device_type == "cpu":  # the "device" budget is carved out of the same RAM
+        host_capacity = max(0, host_capacity - hw.device_memory_bytes)
+    return JobCosts(
+        layers=tuple(out), num_blocks=model.num_layers, grad_accum=job.grad_accum,
+        tokens_per_micro_batch=tokens, device_static_bytes=device_static,
+        host_static_bytes=0, host_capacity_bytes=host_capacity,
+        device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
+        trains_base=full,
+    )

@@ -1,0 +1,336 @@
+"""The planner's MILP (PuLP): checkpoint segments, tiers, and the transfer windows of ops.py.
+
+Variables
+- x[s,e,m,t]  binary: segment (s,e) in mode m (store | recompute) keeps its item on tier t;
+              the chosen segments form a path over boundaries 0..L (flow conservation).
+- p[j,t]      binary: layer j's compute-dtype weights live on t (device = resident).
+- g[j,t], o[j,t]  binary: fp32 grads / master + moments on host or NVMe (full fine-tuning).
+- zh[j], zn[j]  reload products: block j recomputed-not-last AND streamed (from NVMe).
+- Bmax, Bnvme, Smax  largest streamed layer, largest NVMe layer, largest offloaded item
+              (size the device's streaming buffers, the host's bounce buffers, the staging buffers).
+- D[b]        device bytes kept by segments ending at or before boundary b.
+- P           device peak; U[k] (last micro-batch) and W[k] (others) window lengths.
+Objective: (G-1) * sum W + sum U (= predicted step time) + a tiny tie-breaker on the device peak.
+Pinning (`pins`) fixes any subset of decisions, so the same model *evaluates* hand-written plans.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import pulp
+
+from ..costmodel import JobCosts
+from ..spec import GiB, HardwareSpec
+from .assignment import RECOMPUTE, STORE, Assignment, Segment
+from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence
+
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Decisions fixed before solving. None = free."""
+    segments: tuple[Segment, ...] | None = None       # the whole checkpoint path
+    activation_tiers: tuple[str, ...] | None = None   # allowed tiers for kept activations
+    param_tier: tuple[str | None, ...] | None = None
+    grad_tier: tuple[str | None, ...] | None = None
+    optimizer_tier: tuple[str | None, ...] | None = None
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    status: str               # optimal | feasible | infeasible
+    assignment: Assignment | None
+    objective_s: float | None  # predicted step time (tie-breaker removed)
+    peak_bytes: dict[str, int] | None
+    solver_name: str
+    wall_s: float
+    gap: float | None
+    detail: str
+
+
+def make_solver(name: str, time_limit_s: float, mip_gap: float, minimize_only: bool = False):
+    available = pulp.listSolvers(onlyAvailable=True)
+    if name in ("auto", "highs") and "HiGHS" in available:
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2), "highs"
+    if name == "highs":
+        raise RuntimeError("planner.solver=highs but highspy is not installed (pip install highspy)")
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2), "cbc"
+
+
+def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, depth: int = 2,
+               allow_nvme: bool = True, pins: Pins | None = None, solver: str = "auto",
+               time_limit_s: float = 30.0, mip_gap: float = 1e-3,
+               minimize: str = "time", device_capacity_bytes: int | None = None,
+               symmetry_breaking: bool = True) -> MilpResult:
+    """Solve (or, with everything pinned, evaluate) one job. `minimize="device_peak"` finds the
+    smallest device memory any plan needs (capacity unconstrained) for infeasibility reports."""
+    pins = pins or Pins()
+    L, G = costs.num_blocks, costs.grad_accum
+    N = L + 2
+    layers = costs.layers
+    ops = op_sequence(L)
+    K = len(ops)
+    act_tiers = list(pins.activation_tiers or (("device", "host", "nvme") if allow_nvme else ("device", "host")))
+    param_tiers = ["device", "host"] + (["nvme"] if allow_nvme else [])
+    state_tiers = ["host"] + (["nvme"] if allow_nvme else [])
+    prob = pulp.LpProblem("lazytrain_plan", pulp.LpMinimize)
+    B = pulp.LpBinary
+
+    # ---- segments -------------------------------------------------------------------------
+    cand: list[tuple[int, int, str]] = []
+    if pins.segments is not None:
+        cand = sorted({(s.s, s.e, s.mode) for s in pins.segments})
+    else:
+        for s in range(L):
+            cand.append((s, s + 1, STORE))
+            for e in range(s + 1, min(L, s + max_segment_len) + 1):
+                cand.append((s, e, RECOMPUTE))
+    seg_tiers = {c: act_tiers for c in cand}
+    if pins.segments is not None:
+        seg_tiers = {(s.s, s.e, s.mode): [s.tier] for s in pins.segments}
+    x = {(s, e, m, t): pulp.LpVariable(f"x_{s}_{e}_{m[0]}_{t}", cat=B)
+         for (s, e, m) in cand for t in seg_tiers[(s, e, m)]}
+
+    def seg(s, e, m):
+        return Segment(s, e, m, "device")
+
+    kept = {c: seg(*c).kept_bytes(costs) for c in cand}
+    work = {c: seg(*c).working_bytes(costs) for c in cand}
+    # flow: one path 0 -> L
+    for b in range(L + 1):
+        out_ = pulp.lpSum(v for (s, e, m, t), v in x.items() if s == b)
+        in_ = pulp.lpSum(v for (s, e, m, t), v in x.items() if e == b)
+        if b == 0:
+            prob += out_ == 1, "flow_0"
+        elif b == L:
+            prob += in_ == 1, "flow_L"
+        else:
+            prob += in_ == out_, f"flow_{b}"
+    rec = {j: pulp.lpSum(v for (s, e, m, t), v in x.items() if m == RECOMPUTE and s < j <= e)
+           for j in range(1, L + 1)}
+    not_last = {j: pulp.lpSum(v for (s, e, m, t), v in x.items() if m == RECOMPUTE and s < j < e)
+                for j in range(1, L + 1)}
+
+    # ---- tiers ----------------------------------------------------------------------------
+    def tier_vars(prefix, tiers, pinned):
+        vs = {}
+        for j in range(N):
+            allowed = tiers if (pinned is None or pinned[j] is None) else [pinned[j]]
+            for t in allowed:
+                vs[j, t] = pulp.LpVariable(f"{prefix}_{j}_{t}", cat=B)
+            prob.addConstraint(pulp.lpSum(vs[j, t] for t in allowed) == 1, f"{prefix}_one_{j}")
+        return vs
+
+    p = tier_vars("p", param_tiers, pins.param_tier)
+    full = costs.trains_base
+    o = tier_vars("o", state_tiers, pins.optimizer_tier) if full else {}
+    g = tier_vars("g", state_tiers, pins.grad_tier) if (full and G > 1) else {}
+
+    def pv(j, t):
+        return p.get((j, t), 0)
+
+    # Symmetry breaking: consecutive identical blocks are interchangeable in the window model, so
+    # order their tiers (device-resident first, NVMe last). This removes the permutations that
+    # otherwise keep branch-and-bound busy proving optimality, and loses nothing.
+    if symmetry_breaking:
+        for j in range(1, L):
+            if _same_block(layers[j], layers[j + 1]):
+                for vs in (p, o, g):
+                    if (j, "device") in vs and (j + 1, "device") in vs:
+                        prob += vs[j, "device"] >= vs[j + 1, "device"], f"sym_dev_{id(vs) % 997}_{j}"
+                    if (j, "nvme") in vs and (j + 1, "nvme") in vs:
+                        prob += vs[j, "nvme"] <= vs[j + 1, "nvme"], f"sym_nvme_{id(vs) % 997}_{j}"
+
+    zh, zn = {}, {}
+    for j in range(1, L + 1):
+        zh[j] = pulp.LpVariable(f"zh_{j}", lowBound=0)
+        prob += zh[j] >= not_last[j] - pv(j, "device"), f"zh_{j}"
+        if allow_nvme:
+            zn[j] = pulp.LpVariable(f"zn_{j}", lowBound=0)
+            prob += zn[j] >= not_last[j] + pv(j, "nvme") - 1, f"zn_{j}"
+
+    Bmax = pulp.LpVariable("Bmax", lowBound=0)
+    Bnvme = pulp.LpVariable("Bnvme", lowBound=0)
+    Smax = pulp.LpVariable("Smax", lowBound=0)
+    # Memory rows are written in GiB: byte-sized coefficients sit below solver tolerances.
+    for j, c in enumerate(layers):
+        prob += Bmax >= c.param_bytes / GiB * (1 - pv(j, "device")), f"bmax_{j}"
+        if allow_nvme:
+            prob += Bnvme >= c.param_bytes / GiB * pv(j, "nvme"), f"bnvme_{j}"
+    for c in cand:
+        off = [x[(*c, t)] for t in seg_tiers[c] if t != "device"]
+        if off:
+            prob += Smax >= kept[c] / GiB * pulp.lpSum(off), f"smax_{c[0]}_{c[1]}_{c[2][0]}"
+
+    # ---- device memory --------------------------------------------------------------------
+    base = (costs.device_static_bytes / GiB
+            + pulp.lpSum(c.param_bytes / GiB * pv(j, "device") for j, c in enumerate(layers))
+            + depth * Bmax + 2 * Smax)
+    D = [pulp.LpVariable(f"D_{b}", lowBound=0) for b in range(L + 1)]
+    prob += D[0] == 0, "D_0"
+    for b in range(1, L + 1):
+        prob += D[b] == D[b - 1] + pulp.lpSum(kept[(s, e, m)] / GiB * v for (s, e, m, t), v in x.items()
+                                              if e == b and t == "device"), f"D_{b}"
+    P = pulp.LpVariable("P", lowBound=0)
+    head = layers[L + 1]
+    prob += P >= base + D[L] + (head.act_bytes + head.bwd_transient_bytes) / GiB, "peak_head"
+    for b in range(L):
+        starting = pulp.lpSum((kept[(s, e, m)] * (t == "device") + work[(s, e, m)]) / GiB * v
+                              for (s, e, m, t), v in x.items() if s == b)
+        prob += P >= base + D[b] + starting, f"peak_{b}"
+    cap = costs.device_capacity_bytes if device_capacity_bytes is None else device_capacity_bytes
+    if minimize != "device_peak":
+        prob += P <= cap / GiB, "device_capacity"
+
+    # ---- host and NVMe capacity -----------------------------------------------------------
+    host = (costs.host_static_bytes / GiB + depth * Bnvme
+            + pulp.lpSum(c.param_store_bytes / GiB * pv(j, "host") for j, c in enumerate(layers))
+            + pulp.lpSum(kept[(s, e, m)] / GiB * v for (s, e, m, t), v in x.items() if t == "host"))
+    nvme = (pulp.lpSum(c.param_store_bytes / GiB * pv(j, "nvme") for j, c in enumerate(layers))
+            + pulp.lpSum(kept[(s, e, m)] / GiB * v for (s, e, m, t), v in x.items() if t == "nvme"))
+    if full:
+        host += pulp.lpSum(c.optimizer_bytes / GiB * o[j, "host"] for j, c in enumerate(layers) if (j, "host") in o)
+        nvme += pulp.lpSum(c.optimizer_bytes / GiB * o[j, "nvme"] for j, c in enumerate(layers) if (j, "nvme") in o)
+        if G > 1:
+            host += pulp.lpSum(c.grad_store_bytes / GiB * g[j, "host"] for j, c in enumerate(layers) if (j, "host") in g)
+            nvme += pulp.lpSum(c.grad_store_bytes / GiB * g[j, "nvme"] for j, c in enumerate(layers) if (j, "nvme") in g)
+        else:
+            host += 2 * max(c.grad_store_bytes for c in layers) / GiB
+    Hpk = pulp.LpVariable("host_peak", lowBound=0)
+    Npk = pulp.LpVariable("nvme_peak", lowBound=0)
+    prob += Hpk == host, "host_peak_def"
+    prob += Npk == nvme, "nvme_peak_def"
+    prob += Hpk <= costs.host_capacity_bytes / GiB, "host_capacity"
+    prob += Npk <= costs.nvme_capacity_bytes / GiB, "nvme_capacity"
+
+    # ---- windows --------------------------------------------------------------------------
+    def loads(final: bool) -> list[dict[str, object]]:
+        res = [{r: 0 for r in ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")}
+               for _ in range(K)]
+        for k, op in enumerate(ops):
+            c = layers[op.layer]
+            if op.kind == FWD:
+                res[k]["compute"] += c.fwd_s
+            elif op.kind == HEAD:
+                res[k]["compute"] += c.fwd_s + c.bwd_s
+            else:
+                res[k]["compute"] += c.bwd_s + (c.fwd_s * rec[op.layer] if op.layer in rec else 0)
+            nxt = ops[(k + 1) % K]
+            n = layers[nxt.layer]
+            streamed = 1 - pv(nxt.layer, "device")
+            res[k]["h2d"] += n.param_bytes * streamed
+            res[k]["nvme_read"] += n.param_bytes * pv(nxt.layer, "nvme")
+            if nxt.kind == BWD and nxt.layer in zh:
+                res[k]["h2d"] += n.param_bytes * zh[nxt.layer]
+                if nxt.layer in zn:
+                    res[k]["nvme_read"] += n.param_bytes * zn[nxt.layer]
+        for (s, e, m, t), v in x.items():
+            if t == "device":
+                continue
+            nb = kept[(s, e, m)]
+            k_out = fwd_window(L, s + 1) + (1 if m == STORE else 0)
+            k_in = bwd_window(L, e) - 1
+            res[k_out]["d2h"] += nb * v
+            res[k_in]["h2d"] += nb * v
+            if t == "nvme":
+                res[k_out]["nvme_write"] += nb * v
+                res[k_in]["nvme_read"] += nb * v
+        if full:
+            for j, c in enumerate(layers):
+                k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
+                k_g = after(L, k_b)
+                res[k_g]["d2h"] += c.grad_device_bytes
+                if G > 1 and (j, "nvme") in g:
+                    res[k_g]["nvme_read"] += c.grad_store_bytes * g[j, "nvme"]
+                    res[k_g]["nvme_write"] += c.grad_store_bytes * g[j, "nvme"]
+                if final:
+                    key = "optimizer" if hw.optimizer_overlaps_compute else "compute"
+                    res[k_g][key] += c.optimizer_s
+                    if (j, "nvme") in o:
+                        res[k_g]["nvme_read"] += c.optimizer_bytes * o[j, "nvme"]
+                        res[k_g]["nvme_write"] += c.optimizer_bytes * o[j, "nvme"]
+                    res[k_g]["nvme_write"] += c.param_store_bytes * pv(j, "nvme")
+                    res[k_g]["h2d"] += c.param_bytes * pv(j, "device")
+        return res
+
+    rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
+             "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
+
+    def window_vars(prefix: str, final: bool) -> list[pulp.LpVariable]:
+        ts = []
+        for k, ld in enumerate(loads(final)):
+            T = pulp.LpVariable(f"{prefix}_{k}", lowBound=0)
+            prob.addConstraint(T >= ld["compute"], f"{prefix}_c_{k}")
+            prob.addConstraint(T >= ld["optimizer"], f"{prefix}_o_{k}")
+            for r, rate in rates.items():
+                if not (isinstance(ld[r], (int, float)) and ld[r] == 0):
+                    prob.addConstraint(T >= (1.0 / rate) * ld[r], f"{prefix}_{r}_{k}")
+            ts.append(T)
+        return ts
+
+    U = window_vars("U", True)
+    W = window_vars("W", False) if G > 1 else []
+    step_time = pulp.lpSum(U) + (G - 1) * pulp.lpSum(W)
+    # Tie-breakers, scaled to the step so they never outweigh a real difference: among equally
+    # fast plans prefer less link traffic (simpler, robust to bandwidth drift), then small peaks
+    # (which also pins the max-variables at their true value).
+    t_ref = max(1e-6, G * sum(c.fwd_s + c.bwd_s for c in layers))
+    traffic_s = pulp.lpSum(ld[r] * (1.0 / rate) for ld in loads(True) for r, rate in rates.items())
+    # The objective is normalised by the compute time so that every term is O(1) and the
+    # tie-breakers stay above the solver's tolerances whatever the model size.
+    peaks = (P / max(cap / GiB, 1e-3) + 0.1 * Hpk / max(costs.host_capacity_bytes / GiB, 1.0)
+             + 0.01 * Npk / max(costs.nvme_capacity_bytes / GiB, 1.0)
+             + 0.01 * (Bmax + Bnvme + Smax) / max(cap / GiB, 1e-3))
+    if minimize == "device_peak":
+        prob += P + 1e-4 * step_time / t_ref
+    else:
+        prob += (step_time + 1e-3 * traffic_s) / t_ref + 1e-4 * peaks
+
+    # ---- solve ----------------------------------------------------------------------------
+    slv, slv_name = make_solver(solver, time_limit_s, mip_gap)
+    t0 = time.perf_counter()
+    prob.solve(slv)
+    wall = time.perf_counter() - t0
+    status = pulp.LpStatus[prob.status]
+    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if not has_solution:
+        return MilpResult("infeasible", None, None, None, slv_name, wall, None, status)
+    gap = _gap(prob)
+    st = "optimal" if prob.sol_status == pulp.LpSolutionOptimal and (gap is None or gap <= mip_gap + 1e-9) else "feasible"
+
+    def chosen(vs, j, default):
+        for (jj, t), v in vs.items():
+            if jj == j and (v.value() or 0) > 0.5:
+                return t
+        return default
+
+    segs = tuple(Segment(s, e, m, t) for (s, e, m, t), v in sorted(x.items(), key=lambda kv: kv[0][0])
+                 if (v.value() or 0) > 0.5)
+    a = Assignment(
+        segments=segs,
+        param_tier=tuple(chosen(p, j, "host") for j in range(N)),
+        grad_tier=tuple(chosen(g, j, "host") if full else "device" for j in range(N)),
+        optimizer_tier=tuple(chosen(o, j, "host") if full else "device" for j in range(N)),
+    )
+    return MilpResult(st, a, pulp.value(step_time), {"device": int(round(P.value() * GiB)),
+                      "host": int(round(Hpk.value() * GiB)), "nvme": int(round(Npk.value() * GiB))},
+                      slv_name, wall, gap, status)
+
+
+def _same_block(a, b) -> bool:
+    return (a.kind == b.kind == "block" and a.param_bytes == b.param_bytes and a.act_bytes == b.act_bytes
+            and a.fwd_s == b.fwd_s and a.optimizer_bytes == b.optimizer_bytes)
+
+
+def _gap(prob: pulp.LpProblem) -> float | None:
+    model = getattr(prob, "solverModel", None)
+    if model is not None and hasattr(model, "getInfo"):  # HiGHS python API reports the MIP gap
+        try:
+            gap = float(model.getInfo().mip_gap)
+            return gap if gap == gap and gap < 1e30 else None
+        except Exception:
+            return None
+    return 0.0 if prob.status == pulp.LpStatusOptimal else None

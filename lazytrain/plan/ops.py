@@ -1,0 +1,56 @@
+"""The op sequence of one micro-batch and the window rules shared by the MILP and the simulator.
+
+Execution indices: 0 = embed, 1..L = decoder blocks, L+1 = head (final norm + lm_head + loss,
+forward and backward back to back). One micro-batch runs the ops
+
+    F0, F1, ..., FL, H, BL, ..., B1, B0
+
+Each op opens a *window*: the compute of that op runs while the links carry the transfers the
+window is charged with; the next window starts when all of them are done (the executor waits for
+the prefetch of the layer it needs). The window's length is the max over its resources; a step is
+the sum of its windows. Transfers are charged as follows (the sequence is cyclic, so the last
+window prefetches the next step's first layer):
+- parameters of the op after this one (prefetch), from host (h2d) or NVMe (nvme_read + h2d);
+  a recomputed block that is not the last of its segment is fetched twice (recompute + backward);
+- a kept activation leaves the device in the window after it is produced (d2h, + nvme_write);
+  it comes back in the window before the backward op that needs it (+ nvme_read, h2d);
+- a block's gradients leave in the window after its backward (d2h); with gradient accumulation on
+  NVMe they are read, summed and written back there;
+- in the last micro-batch of a step the host optimizer updates a layer in the window after its
+  backward (CPU time; NVMe-resident state is read and written back; new weights go back to their
+  tier). The embedding's update rides in the last window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FWD, HEAD, BWD = "F", "H", "B"
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str   # F | H | B
+    layer: int  # execution index
+
+
+def op_sequence(num_blocks: int) -> list[Op]:
+    L = num_blocks
+    return ([Op(FWD, j) for j in range(0, L + 1)] + [Op(HEAD, L + 1)]
+            + [Op(BWD, j) for j in range(L, -1, -1)])
+
+
+def fwd_window(num_blocks: int, j: int) -> int:
+    """Window index of F_j."""
+    return j
+
+
+def bwd_window(num_blocks: int, j: int) -> int:
+    """Window index of B_j (j in 0..L)."""
+    return (num_blocks + 2) + (num_blocks - j)
+
+
+def after(num_blocks: int, k: int) -> int:
+    """The window after k; the last window's 'after' is itself (drain in place)."""
+    K = 2 * num_blocks + 3
+    return min(k + 1, K - 1)

@@ -1,0 +1,195 @@
+"""Discrete-event replay of an Assignment: a timeline of compute and transfer events per
+resource, the step time, and per-tier memory over time with its peaks.
+
+It applies the window rules of `ops.py` to concrete decisions, independently of the MILP's
+linearisation; a test checks that the two agree on random problems.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..costmodel import JobCosts
+from ..spec import HardwareSpec
+from .assignment import RECOMPUTE, STORE, Assignment
+from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence
+
+RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+
+
+@dataclass(frozen=True)
+class Event:
+    resource: str      # one of RESOURCES
+    kind: str          # compute_fwd | compute_bwd | recompute | h2d | d2h | nvme_read | nvme_write | optimizer
+    layer: str
+    micro_batch: int
+    start_s: float
+    end_s: float
+    bytes: int = 0
+    what: str = ""     # params | activation | grads | optimizer_state
+
+
+@dataclass(frozen=True)
+class Timeline:
+    step_time_s: float
+    compute_s: float
+    recompute_s: float
+    peak_bytes: dict[str, int]
+    events: tuple[Event, ...] = field(repr=False)
+    device_curve: tuple[tuple[float, int], ...] = field(repr=False)  # (time_s, bytes) per op
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        return max(0.0, self.step_time_s - self.compute_s - self.recompute_s)
+
+
+def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
+                  depth: int) -> list[list[tuple[str, str, str, str, float]]]:
+    """Per window: (resource, kind, layer, what, amount) with amount in bytes or seconds."""
+    L = costs.num_blocks
+    ops = op_sequence(L)
+    K = len(ops)
+    layers = costs.layers
+    items: list[list[tuple]] = [[] for _ in range(K)]
+    rec = a.recompute_flags(L)
+    not_last = [False] * (L + 2)
+    for seg in a.segments:
+        if seg.mode == RECOMPUTE:
+            for j in range(seg.s + 1, seg.e):
+                not_last[j] = True
+    overlap = hw.optimizer_overlaps_compute
+
+    for k, op in enumerate(ops):
+        c = layers[op.layer]
+        if op.kind == FWD:
+            items[k].append(("compute", "compute_fwd", c.name, "", c.fwd_s))
+        elif op.kind == HEAD:
+            items[k].append(("compute", "compute_fwd", c.name, "", c.fwd_s))
+            items[k].append(("compute", "compute_bwd", c.name, "", c.bwd_s))
+        else:
+            if rec[op.layer]:
+                items[k].append(("compute", "recompute", c.name, "", c.fwd_s))
+            items[k].append(("compute", "compute_bwd", c.name, "", c.bwd_s))
+        # prefetch of the next op's parameters (cyclic)
+        nxt = ops[(k + 1) % K]
+        tier = a.param_tier[nxt.layer]
+        if tier != "device":
+            n = layers[nxt.layer]
+            times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
+            for _ in range(times):
+                if tier == "nvme":
+                    items[k].append(("nvme_read", "nvme_read", n.name, "params", n.param_bytes))
+                items[k].append(("h2d", "h2d", n.name, "params", n.param_bytes))
+
+    for seg in a.segments:
+        if seg.tier == "device":
+            continue
+        nbytes = seg.kept_bytes(costs)
+        name = layers[seg.s + 1].name
+        k_out = fwd_window(L, seg.s + 1) + (1 if seg.mode == STORE else 0)
+        items[k_out].append(("d2h", "d2h", name, "activation", nbytes))
+        if seg.tier == "nvme":
+            items[k_out].append(("nvme_write", "nvme_write", name, "activation", nbytes))
+        k_in = bwd_window(L, seg.e) - 1
+        if seg.tier == "nvme":
+            items[k_in].append(("nvme_read", "nvme_read", name, "activation", nbytes))
+        items[k_in].append(("h2d", "h2d", name, "activation", nbytes))
+
+    if costs.trains_base:
+        for j in range(L + 1):  # blocks and embed; the head's grads leave after the head op
+            pass
+        for j, c in enumerate(layers):
+            k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
+            k_g = after(L, k_b)
+            items[k_g].append(("d2h", "d2h", c.name, "grads", c.grad_device_bytes))
+            if costs.grad_accum > 1 and a.grad_tier[j] == "nvme":
+                items[k_g].append(("nvme_read", "nvme_read", c.name, "grads", c.grad_store_bytes))
+                items[k_g].append(("nvme_write", "nvme_write", c.name, "grads", c.grad_store_bytes))
+            if final:
+                res = "optimizer" if overlap else "compute"
+                items[k_g].append((res, "optimizer", c.name, "", c.optimizer_s))
+                if a.optimizer_tier[j] == "nvme":
+                    items[k_g].append(("nvme_read", "nvme_read", c.name, "optimizer_state", c.optimizer_bytes))
+                    items[k_g].append(("nvme_write", "nvme_write", c.name, "optimizer_state", c.optimizer_bytes))
+                if a.param_tier[j] == "nvme":
+                    items[k_g].append(("nvme_write", "nvme_write", c.name, "params", c.param_store_bytes))
+                elif a.param_tier[j] == "device":
+                    items[k_g].append(("h2d", "h2d", c.name, "params", c.param_bytes))
+    return items
+
+
+def _rate(hw: HardwareSpec, resource: str) -> float | None:
+    return {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
+            "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}.get(resource)
+
+
+def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, int], list[int]]:
+    """Per-tier peak bytes and the device bytes at each op of a micro-batch."""
+    layers = costs.layers
+    L = costs.num_blocks
+    streamed = [c.param_bytes for c, t in zip(layers, a.param_tier) if t != "device"]
+    from_nvme = [c.param_bytes for c, t in zip(layers, a.param_tier) if t == "nvme"]
+    offloaded = [s.kept_bytes(costs) for s in a.segments if s.tier != "device"]
+    static = (costs.device_static_bytes
+              + sum(c.param_bytes for c, t in zip(layers, a.param_tier) if t == "device")
+              + depth * max(streamed, default=0) + 2 * max(offloaded, default=0))
+    curve: list[int] = []
+    held = 0
+    for seg in a.segments:  # forward
+        kept = seg.kept_bytes(costs) if seg.tier == "device" else 0
+        held += kept
+        for j in range(seg.s + 1, seg.e + 1):
+            transient = layers[j].act_bytes if seg.mode == RECOMPUTE else 0
+            curve.append(static + held + transient)
+    head = layers[L + 1]
+    curve.append(static + held + head.act_bytes + head.bwd_transient_bytes)
+    for seg in reversed(a.segments):  # backward
+        curve.append(static + held + seg.working_bytes(costs))
+        held -= seg.kept_bytes(costs) if seg.tier == "device" else 0
+
+    host = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "host")
+            + depth * max(from_nvme, default=0) + costs.host_static_bytes
+            + sum(s.kept_bytes(costs) for s in a.segments if s.tier == "host"))
+    nvme = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "nvme")
+            + sum(s.kept_bytes(costs) for s in a.segments if s.tier == "nvme"))
+    if costs.trains_base:
+        host += sum(c.optimizer_bytes for c, t in zip(layers, a.optimizer_tier) if t == "host")
+        nvme += sum(c.optimizer_bytes for c, t in zip(layers, a.optimizer_tier) if t == "nvme")
+        if costs.grad_accum > 1:
+            host += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "host")
+            nvme += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "nvme")
+        else:  # grads are consumed as they land: a double buffer of the largest layer's
+            host += 2 * max(c.grad_store_bytes for c in layers)
+    return {"device": max(curve), "host": int(host), "nvme": int(nvme)}, curve
+
+
+def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -> Timeline:
+    a.validate(costs.num_blocks)
+    G = costs.grad_accum
+    events: list[Event] = []
+    t = 0.0
+    device_curve: list[tuple[float, int]] = []
+    peaks, curve = memory_peaks(costs, a, depth)
+    compute_s = recompute_s = 0.0
+    for m in range(G):
+        final = m == G - 1
+        windows = _window_items(costs, a, hw, final, depth)
+        for k, items in enumerate(windows):
+            cursor: dict[str, float] = defaultdict(lambda: t)
+            for res, kind, layer, what, amount in items:
+                rate = _rate(hw, res)
+                dur = amount / rate if rate else amount
+                start = cursor[res]
+                cursor[res] = start + dur
+                events.append(Event(res, kind, layer, m, start, start + dur,
+                                    int(amount) if rate else 0, what))
+                if kind in ("compute_fwd", "compute_bwd"):
+                    compute_s += dur
+                elif kind == "recompute":
+                    recompute_s += dur
+            if k < len(curve):
+                device_curve.append((t, curve[k]))
+            t = max([t] + list(cursor.values()))
+    return Timeline(step_time_s=t, compute_s=compute_s, recompute_s=recompute_s, peak_bytes=peaks,
+                    events=tuple(events), device_curve=tuple(device_curve))

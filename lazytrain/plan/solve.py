@@ -1,0 +1,265 @@
+"""plan_job: specs in, Plan out (cached by content hash). Also heuristic scoring, the smallest
+device memory a job needs, the largest batch that fits, and the explanations users read."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from .. import __version__
+from ..costmodel import JobCosts, job_costs
+from ..spec import GiB, HardwareSpec, JobSpec, ModelSpec
+from .assignment import RECOMPUTE, Assignment
+from .cache import PlanCache
+from .heuristics import HEURISTICS, heuristic_pins
+from .milp import MilpResult, Pins, solve_milp
+from .plan import SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
+from .simulate import Timeline, simulate
+
+log = logging.getLogger(__name__)
+
+
+class InfeasiblePlanError(RuntimeError):
+    """No plan fits; `plan.explanation` says what would."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__("; ".join(plan.explanation))
+        self.plan = plan
+
+
+def versions() -> dict[str, str]:
+    import pulp
+    out = {"lazytrain": __version__, "pulp": pulp.__version__}
+    try:
+        import highspy
+        out["highspy"] = getattr(highspy, "__version__", "installed")
+    except ImportError:
+        out["highspy"] = "absent"
+    return out
+
+
+def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pins | None,
+           **kw) -> MilpResult:
+    return solve_milp(costs, hw, max_segment_len=options.max_segment_len,
+                      depth=options.prefetch_depth, allow_nvme=options.allow_nvme, pins=pins,
+                      solver=options.solver, time_limit_s=options.time_limit_s,
+                      mip_gap=options.mip_gap, **kw)
+
+
+def pins_for(method: str, num_blocks: int) -> Pins | None:
+    if method == "milp":
+        return None
+    name = method.removeprefix("heuristic:")
+    return heuristic_pins(name, num_blocks)
+
+
+def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
+             options: PlannerOptions = PlannerOptions(), *, cache_dir: str | Path | None = "solver_cache",
+             use_cache: bool = True, method: str = "milp", explain: bool = True) -> Plan:
+    """Plan one job with the MILP (method="milp") or score a heuristic ("heuristic:<name>")."""
+    if method != "milp" and method.removeprefix("heuristic:") not in HEURISTICS:
+        raise ValueError(f"unknown method {method!r}; valid: milp, " + ", ".join(f"heuristic:{h}" for h in HEURISTICS))
+    if job.seq_len > model.max_position_embeddings:
+        raise ValueError(f"job.seq_len={job.seq_len} exceeds the model's max_position_embeddings="
+                         f"{model.max_position_embeddings}")
+    h = input_hash(model.hf_config, hw, job, options, method, versions())
+    cache = PlanCache(cache_dir) if cache_dir is not None else None
+    if cache is not None and use_cache:
+        hit = cache.get(h)
+        if hit is not None:
+            return hit
+    costs = job_costs(model, hw, job)
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers))
+    if r.status == "infeasible":
+        lines = explain_infeasible(model, hw, job, options, method) if explain else ()
+        plan = _empty_plan(model, hw, job, options, method, h, r, tuple(lines))
+    else:
+        plan = build_plan(model, hw, job, options, method, h, costs, r)
+    if cache is not None:
+        cache.put(plan)
+    return plan
+
+
+def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+               method: str, h: str, costs: JobCosts, r: MilpResult) -> Plan:
+    a = r.assignment
+    assert a is not None
+    tl = simulate(costs, a, hw, depth=options.prefetch_depth)
+    L = model.num_layers
+    decisions: list[LayerDecision] = []
+    seg_of: dict[int, tuple] = {}
+    for seg in a.segments:
+        for j in range(seg.s + 1, seg.e + 1):
+            seg_of[j] = seg
+    for j, spec in enumerate(model.layers):
+        if spec.kind == "block":
+            seg = seg_of[j]
+            first = j == seg.s + 1
+            if seg.mode == RECOMPUTE:
+                rec, start, act = True, seg.s + 1, (seg.tier if first else "none")
+            else:
+                rec, start, act = False, j, seg.tier
+        else:
+            rec, start, act = False, j, "device"
+        decisions.append(LayerDecision(
+            name=spec.name, kind=spec.kind, index=j, recompute=rec, segment_start=start,
+            activation_tier=act, param_tier=a.param_tier[j], grad_tier=a.grad_tier[j],
+            optimizer_tier=a.optimizer_tier[j]))
+    predicted = Predicted(
+        step_time_s=tl.step_time_s, tokens_per_s=job.tokens_per_step / tl.step_time_s,
+        peak_bytes=dict(tl.peak_bytes), compute_s=tl.compute_s, recompute_s=tl.recompute_s,
+        exposed_transfer_s=tl.exposed_transfer_s)
+    plan = Plan(
+        schema_version=SCHEMA_VERSION, input_hash=h, status=r.status, method=method,
+        solver=SolverInfo(name=r.solver_name, wall_s=round(r.wall_s, 4), gap=r.gap, status_detail=r.detail),
+        predicted=predicted, layers=tuple(decisions), model_name=model.name,
+        model_config=dict(model.hf_config), hardware=hw, job=job, options=options,
+        lazytrain_version=__version__, explanation=())
+    return replace(plan, explanation=tuple(explain_plan(plan, costs, tl)))
+
+
+def _empty_plan(model, hw, job, options, method, h, r: MilpResult, lines: tuple[str, ...]) -> Plan:
+    return Plan(
+        schema_version=SCHEMA_VERSION, input_hash=h, status="infeasible", method=method,
+        solver=SolverInfo(name=r.solver_name, wall_s=round(r.wall_s, 4), gap=None, status_detail=r.detail),
+        predicted=Predicted(step_time_s=0.0, tokens_per_s=0.0, peak_bytes={"device": 0, "host": 0, "nvme": 0}),
+        layers=(), model_name=model.name, model_config=dict(model.hf_config), hardware=hw, job=job,
+        options=options, lazytrain_version=__version__, explanation=lines)
+
+
+def assignment_of(plan: Plan) -> Assignment:
+    """Rebuild the raw decisions from a Plan (to replay it in the simulator)."""
+    from .assignment import STORE, Segment
+    L = len(plan.layers) - 2
+    segs: list[Segment] = []
+    j = 1
+    while j <= L:
+        d = plan.layers[j]
+        if d.recompute:
+            e = j
+            while e + 1 <= L and plan.layers[e + 1].recompute and plan.layers[e + 1].segment_start == d.segment_start:
+                e += 1
+            segs.append(Segment(j - 1, e, RECOMPUTE, d.activation_tier))
+            j = e + 1
+        else:
+            segs.append(Segment(j - 1, j, STORE, d.activation_tier))
+            j += 1
+    return Assignment(segments=tuple(segs), param_tier=tuple(d.param_tier for d in plan.layers),
+                      grad_tier=tuple(d.grad_tier for d in plan.layers),
+                      optimizer_tier=tuple(d.optimizer_tier for d in plan.layers))
+
+
+def simulate_plan(plan: Plan) -> Timeline:
+    model = ModelSpec.from_hf_config(plan.model_config, name=plan.model_name)
+    costs = job_costs(model, plan.hardware, plan.job)
+    return simulate(costs, assignment_of(plan), plan.hardware, depth=plan.options.prefetch_depth)
+
+
+# ---- explanations ---------------------------------------------------------------------------
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
+    lines: list[str] = []
+    blocks = [d for d in plan.layers if d.kind == "block"]
+    rec = [d for d in blocks if d.recompute]
+    stored_act = sum(c.act_bytes for c in costs.blocks)
+    if rec:
+        segs = plan.segments()
+        lines.append(f"{len(rec)}/{len(blocks)} blocks recomputed in {len(segs)} segment(s) (keeping every "
+                     f"block's activations would take {_gib(stored_act)}); recompute costs "
+                     f"{tl.recompute_s:.3f} s/step")
+    else:
+        lines.append(f"no recompute: all block activations ({_gib(stored_act)}) are kept")
+    tiers = Counter(d.activation_tier for d in blocks if d.activation_tier != "none")
+    if tiers.get("host") or tiers.get("nvme"):
+        lines.append("kept activations offloaded: " + ", ".join(f"{n} to {t}" for t, n in tiers.items() if t != "device"))
+    pt = Counter(d.param_tier for d in plan.layers)
+    lines.append("parameters: " + ", ".join(f"{n} layer(s) {'resident on device' if t == 'device' else 'streamed from ' + t}"
+                                           for t, n in sorted(pt.items())))
+    if costs.trains_base:
+        ot = Counter(d.optimizer_tier for d in plan.layers)
+        lines.append("optimizer state (fp32 master + moments): " + ", ".join(f"{n} on {t}" for t, n in sorted(ot.items())))
+    # what bounds the step: sum of time per resource over the step
+    busy: Counter = Counter()
+    for ev in tl.events:
+        busy[ev.resource] += ev.end_s - ev.start_s
+    top = ", ".join(f"{r} {s:.3f} s" for r, s in busy.most_common(4))
+    lines.append(f"busy time per resource: {top}; step {tl.step_time_s:.3f} s, of which "
+                 f"{tl.exposed_transfer_s:.3f} s not hidden behind compute")
+    dev = plan.predicted.peak_bytes["device"]
+    lines.append(f"device peak {_gib(dev)} of {_gib(plan.hardware.device_memory_bytes)} budget")
+    return lines
+
+
+def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                     method: str = "milp") -> int | None:
+    """Smallest device memory any plan (of this method) needs; None if host/NVMe cannot hold it."""
+    costs = job_costs(model, hw, job)
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers), minimize="device_peak")
+    if r.status == "infeasible" or r.assignment is None:
+        return None
+    return simulate(costs, r.assignment, hw, depth=options.prefetch_depth).peak_bytes["device"]
+
+
+def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions, method: str = "milp") -> bool:
+    need = min_device_bytes(model, hw, job, options, method)
+    return need is not None and need <= hw.device_memory_bytes
+
+
+def max_batch(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+              method: str = "milp", limit: int = 4096) -> int:
+    """Largest micro-batch whose plan fits (0 if even batch 1 does not). Feasibility is monotone
+    in the batch, so exponential search then bisection."""
+    def ok(b: int) -> bool:
+        return fits(model, hw, replace(job, batch_size=b), options, method)
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def best_split(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+               global_batch: int, max_micro_batch: int) -> list[tuple[int, int, Plan]]:
+    """(micro_batch, grad_accum, plan) for every split of `global_batch` that fits, fastest first."""
+    out = []
+    for b in range(1, min(global_batch, max_micro_batch) + 1):
+        if global_batch % b:
+            continue
+        j = replace(job, batch_size=b, grad_accum=global_batch // b)
+        p = plan_job(model, hw, j, options, cache_dir=None, explain=False)
+        if p.fits:
+            out.append((b, global_batch // b, p))
+    return sorted(out, key=lambda t: -t[2].predicted.tokens_per_s)
+
+
+def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                       method: str = "milp") -> list[str]:
+    need = min_device_bytes(model, hw, job, options, method)
+    what = "no plan" if method == "milp" else f"{method} does not"
+    if need is None:
+        return [f"{what} fits: host ({_gib(hw.host_usable_bytes)} usable) and NVMe "
+                f"({_gib(hw.nvme_capacity_bytes)}) cannot hold the parameters, gradients and optimizer "
+                f"state of {model.name} ({model.param_count / 1e9:.2f}B params, mode {job.mode}); "
+                f"add host memory or NVMe, use job.mode=lora or job.optimizer_state_bits=8"]
+    best = 0
+    if job.batch_size > 1:
+        best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1)
+    else:
+        best = 0
+    tail = (f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} "
+            f"(job.batch_size={best})" if best else
+            f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory")
+    return [f"{what} fits hardware.device_memory_gib={hw.device_memory_gib}: this job "
+            f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {_gib(need)} "
+            f"of device memory (hardware.device_memory_gib={need / GiB:.2f}); {tail}"]
