@@ -16,6 +16,9 @@ Pinning (`pins`) fixes any subset of decisions, so the same model *evaluates* ha
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -41,7 +44,7 @@ class Pins:
 
 @dataclass(frozen=True)
 class MilpResult:
-    status: str               # optimal | feasible | infeasible
+    status: str               # optimal | feasible | infeasible | timeout (no plan found in time)
     assignment: Assignment | None
     objective_s: float | None  # predicted step time (tie-breaker removed)
     peak_bytes: dict[str, int] | None
@@ -51,10 +54,12 @@ class MilpResult:
     detail: str
 
 
-def make_solver(name: str, time_limit_s: float, mip_gap: float, minimize_only: bool = False):
+def make_solver(name: str, time_limit_s: float, mip_gap: float, presolve: bool = True):
     available = pulp.listSolvers(onlyAvailable=True)
     if name in ("auto", "highs") and "HiGHS" in available:
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2), "highs"
+        extra = {} if presolve else {"presolve": "off"}
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2,
+                          mip_feasibility_tolerance=1e-7, **extra), "highs"
     if name == "highs":
         raise RuntimeError("planner.solver=highs but highspy is not installed (pip install highspy)")
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2), "cbc"
@@ -138,11 +143,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     if symmetry_breaking:
         for j in range(1, L):
             if _same_block(layers[j], layers[j + 1]):
-                for vs in (p, o, g):
+                for vname, vs in (("p", p), ("o", o), ("g", g)):
                     if (j, "device") in vs and (j + 1, "device") in vs:
-                        prob += vs[j, "device"] >= vs[j + 1, "device"], f"sym_dev_{id(vs) % 997}_{j}"
+                        prob += vs[j, "device"] >= vs[j + 1, "device"], f"sym_dev_{vname}_{j}"
                     if (j, "nvme") in vs and (j + 1, "nvme") in vs:
-                        prob += vs[j, "nvme"] <= vs[j + 1, "nvme"], f"sym_nvme_{id(vs) % 997}_{j}"
+                        prob += vs[j, "nvme"] <= vs[j + 1, "nvme"], f"sym_nvme_{vname}_{j}"
 
     zh, zn = {}, {}
     for j in range(1, L + 1):
@@ -275,7 +280,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     W = window_vars("W", False) if G > 1 else []
     step_time = pulp.lpSum(U) + (G - 1) * pulp.lpSum(W)
     # Tie-breakers, scaled to the step so they never outweigh a real difference: among equally
-    # fast plans prefer less link traffic (simpler, robust to bandwidth drift), then small peaks
+    # fast plans prefer less link traffic and recompute (robust to bandwidth drift), then small peaks
     # (which also pins the max-variables at their true value).
     t_ref = max(1e-6, G * sum(c.fwd_s + c.bwd_s for c in layers))
     traffic_s = pulp.lpSum(ld[r] * (1.0 / rate) for ld in loads(True) for r, rate in rates.items())
@@ -287,18 +292,41 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     if minimize == "device_peak":
         prob += P + 1e-4 * step_time / t_ref
     else:
-        prob += (step_time + 1e-3 * traffic_s) / t_ref + 1e-4 * peaks
+        recompute_s = pulp.lpSum(layers[j].fwd_s * rec[j] for j in rec)
+        prob += (step_time + 1e-3 * (traffic_s + recompute_s)) / t_ref + 1e-4 * peaks
 
     # ---- solve ----------------------------------------------------------------------------
     slv, slv_name = make_solver(solver, time_limit_s, mip_gap)
     t0 = time.perf_counter()
-    prob.solve(slv)
+    with _quiet_stdout():
+        prob.solve(slv)
+    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if not has_solution and slv_name == "highs":
+        # HiGHS' presolve has declared feasible models infeasible here (seen on pinned heuristic
+        # models with near-binding capacity rows); believe "infeasible" only without presolve.
+        slv, _ = make_solver(solver, time_limit_s, mip_gap, presolve=False)
+        with _quiet_stdout():
+            prob.solve(slv)
+        has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if has_solution:
+        # Polish: incumbents found by primal heuristics leave continuous variables (window
+        # lengths, peaks, max-buffers) anywhere above their bounds. Fix the binaries and solve the
+        # remaining LP so the predicted time and peaks are exactly those of the decisions.
+        mip_status = prob.sol_status
+        mip_gap_found = _gap(prob)
+        for v in prob.variables():
+            if v.cat == pulp.LpInteger and v.varValue is not None:
+                v.bounds(round(v.varValue), round(v.varValue))
+        with _quiet_stdout():
+            prob.solve(make_solver(solver, time_limit_s, mip_gap, presolve=False)[0])
+        prob.sol_status = mip_status  # report the MIP's status (optimal vs feasible), not the LP's
     wall = time.perf_counter() - t0
     status = pulp.LpStatus[prob.status]
-    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not has_solution:
-        return MilpResult("infeasible", None, None, None, slv_name, wall, None, status)
-    gap = _gap(prob)
+        # "timeout": the time limit ran out before any plan was found (not a proof of infeasibility)
+        proven = prob.status == pulp.LpStatusInfeasible
+        return MilpResult("infeasible" if proven else "timeout", None, None, None, slv_name, wall, None, status)
+    gap = mip_gap_found
     st = "optimal" if prob.sol_status == pulp.LpSolutionOptimal and (gap is None or gap <= mip_gap + 1e-9) else "feasible"
 
     def chosen(vs, j, default):
@@ -318,6 +346,25 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     return MilpResult(st, a, pulp.value(step_time), {"device": int(round(P.value() * GiB)),
                       "host": int(round(Hpk.value() * GiB)), "nvme": int(round(Npk.value() * GiB))},
                       slv_name, wall, gap, status)
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner from C++ on stdout even with output off; keep CLI output clean."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no real fd (e.g. captured in-process)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _same_block(a, b) -> bool:

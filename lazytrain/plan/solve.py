@@ -21,6 +21,9 @@ from .simulate import Timeline, simulate
 log = logging.getLogger(__name__)
 
 
+TIMED_OUT = -1  # min_device_bytes: the solver ran out of time before an answer
+
+
 class InfeasiblePlanError(RuntimeError):
     """No plan fits; `plan.explanation` says what would."""
 
@@ -72,7 +75,9 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
             return hit
     costs = job_costs(model, hw, job)
     r = _solve(costs, hw, options, pins_for(method, model.num_layers))
-    if r.status == "infeasible":
+    if r.status == "timeout" and method == "milp":
+        r = _fallback(costs, hw, options, model.num_layers, r)
+    if r.status in ("infeasible", "timeout"):
         lines = explain_infeasible(model, hw, job, options, method) if explain else ()
         plan = _empty_plan(model, hw, job, options, method, h, r, tuple(lines))
     else:
@@ -80,6 +85,21 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     if cache is not None:
         cache.put(plan)
     return plan
+
+
+def _fallback(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, num_blocks: int,
+              timed_out: MilpResult) -> MilpResult:
+    """The MILP found no plan within planner.time_limit_s: return the best heuristic plan (their
+    checkpointing pinned, the rest solved), marked `feasible` and saying so; never fail silently."""
+    best: MilpResult | None = None
+    for name in HEURISTICS:
+        r = _solve(costs, hw, options, heuristic_pins(name, num_blocks))
+        if r.assignment is not None and (best is None or r.objective_s < best.objective_s):
+            best = replace(r, detail=f"time limit {options.time_limit_s} s hit before the MILP found a "
+                                     f"plan; best heuristic ({name}) returned")
+    if best is None:
+        return timed_out
+    return replace(best, status="feasible", gap=None, wall_s=best.wall_s + timed_out.wall_s)
 
 
 def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
@@ -201,6 +221,8 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
     """Smallest device memory any plan (of this method) needs; None if host/NVMe cannot hold it."""
     costs = job_costs(model, hw, job)
     r = _solve(costs, hw, options, pins_for(method, model.num_layers), minimize="device_peak")
+    if r.status == "timeout":
+        return TIMED_OUT
     if r.status == "infeasible" or r.assignment is None:
         return None
     return simulate(costs, r.assignment, hw, depth=options.prefetch_depth).peak_bytes["device"]
@@ -208,7 +230,7 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
 
 def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions, method: str = "milp") -> bool:
     need = min_device_bytes(model, hw, job, options, method)
-    return need is not None and need <= hw.device_memory_bytes
+    return need is not None and 0 <= need <= hw.device_memory_bytes
 
 
 def max_batch(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
@@ -247,6 +269,9 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                        method: str = "milp") -> list[str]:
     need = min_device_bytes(model, hw, job, options, method)
     what = "no plan" if method == "milp" else f"{method} does not"
+    if need == TIMED_OUT:
+        return [f"the planner hit planner.time_limit_s={options.time_limit_s} before finding any plan "
+                f"or proving none fits; raise planner.time_limit_s"]
     if need is None:
         return [f"{what} fits: host ({_gib(hw.host_usable_bytes)} usable) and NVMe "
                 f"({_gib(hw.nvme_capacity_bytes)}) cannot hold the parameters, gradients and optimizer "

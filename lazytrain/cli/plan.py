@@ -1,0 +1,179 @@
+"""`lazytrain plan` — plan a job and show it, without importing torch.
+
+  lazytrain plan [overrides] [--json PATH] [--plot PATH.png]
+  lazytrain plan max-batch [overrides]        largest micro-batch per method, best accumulation split
+  lazytrain plan compare [overrides]          MILP vs each heuristic: step time, peak, fits?
+  lazytrain plan show PLAN.json [--plot PATH.png]
+  lazytrain plan export-deepspeed PLAN.json --out ds_config.json
+
+Overrides are Hydra's: model=llama3-8b hardware=rtx3090 job.mode=lora job.batch_size=4
+job.seq_len=2048 hardware.device_memory_gib=20 planner.cache=false model.path=DIR ...
+Exit codes: 0 ok, 2 infeasible or bad input (nothing written).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ..spec import GiB, ModelConfigError
+from .config import ConfigError, hardware_spec, job_spec, load_config, model_spec, planner_options
+
+
+def _pop_flag(args: list[str], flag: str) -> str | None:
+    if flag in args:
+        i = args.index(flag)
+        if i + 1 >= len(args):
+            raise ConfigError(f"{flag} needs a value")
+        val = args[i + 1]
+        del args[i:i + 2]
+        return val
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            del args[i]
+            return a.split("=", 1)[1]
+    return None
+
+
+def _inputs(overrides: list[str]):
+    cfg = load_config(overrides)
+    cache_dir = Path(str(cfg.planner.cache_dir))
+    if not cache_dir.is_absolute():
+        from .config import repo_root
+        cache_dir = (Path.cwd() / cache_dir) if (Path.cwd() / cache_dir).exists() else repo_root() / cache_dir
+    use_cache = bool(cfg.planner.cache)
+    # planner.cache=false bypasses the cache both ways: nothing read, nothing written
+    return (model_spec(cfg), hardware_spec(cfg), job_spec(cfg), planner_options(cfg),
+            use_cache, cache_dir if use_cache else None)
+
+
+def _print_plan(plan) -> None:
+    from ..plan.render import render
+    try:
+        from rich.console import Console
+        render(plan, Console(width=120))
+    except ImportError:
+        render(plan, console=True)
+
+
+def cmd_plan(args: list[str]) -> int:
+    from ..plan import plan_job
+    json_path = _pop_flag(args, "--json")
+    plot_path = _pop_flag(args, "--plot")
+    model, hw, job, opts, use_cache, cache_dir = _inputs(args)
+    plan = plan_job(model, hw, job, opts, cache_dir=cache_dir, use_cache=use_cache)
+    if not plan.fits:
+        print("infeasible: " + "\n".join(plan.explanation), file=sys.stderr)
+        return 2
+    _print_plan(plan)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(plan.to_json())
+        print(f"wrote {json_path}")
+    if plot_path:
+        from ..plan.plot import plot_plan
+        print(f"wrote {plot_plan(plan, plot_path)}")
+    return 0
+
+
+def cmd_show(args: list[str]) -> int:
+    from ..plan.plan import Plan
+    plot_path = _pop_flag(args, "--plot")
+    if len(args) != 1:
+        raise ConfigError("usage: lazytrain plan show PLAN.json [--plot PATH.png]")
+    p = Path(args[0])
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such plan file")
+    try:
+        plan = Plan.from_json(p.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{p}: not a lazytrain plan ({e})") from None
+    _print_plan(plan)
+    if plot_path:
+        from ..plan.plot import plot_plan
+        print(f"wrote {plot_plan(plan, plot_path)}")
+    return 0
+
+
+def cmd_compare(args: list[str]) -> int:
+    from ..plan import HEURISTICS, plan_job
+    model, hw, job, opts, use_cache, cache_dir = _inputs(args)
+    rows = []
+    for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
+        plan = plan_job(model, hw, job, opts, cache_dir=cache_dir, use_cache=use_cache, method=method)
+        if plan.fits:
+            rows.append((method, f"{plan.predicted.step_time_s:.4g}", f"{plan.predicted.tokens_per_s:,.0f}",
+                         f"{plan.predicted.peak_bytes['device'] / GiB:.2f}", "yes"))
+        else:
+            need = plan.explanation[0] if plan.explanation else "infeasible"
+            rows.append((method, "-", "-", "-", "no: " + need.split(": ", 1)[-1][:70]))
+    _table(f"{model.name} on {hw.name}, {job.mode}, batch {job.batch_size} x {job.seq_len}",
+           ("method", "step s", "tokens/s", "device GiB", "fits"), rows)
+    return 0
+
+
+def cmd_max_batch(args: list[str]) -> int:
+    from ..plan import HEURISTICS, best_split, max_batch, plan_job
+    model, hw, job, opts, use_cache, cache_dir = _inputs(args)
+    rows = []
+    best = {}
+    for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
+        b = max_batch(model, hw, job, opts, method)
+        best[method] = b
+        tps = "-"
+        if b:
+            p = plan_job(model, hw, replace(job, batch_size=b), opts, cache_dir=cache_dir,
+                         use_cache=use_cache, method=method)
+            tps = f"{p.predicted.tokens_per_s:,.0f}" if p.fits else "-"
+        rows.append((method, str(b), tps))
+    _table(f"largest micro-batch: {model.name} on {hw.name}, {job.mode}, seq {job.seq_len}, "
+           f"device {hw.device_memory_gib:g} GiB", ("method", "max batch", "tokens/s at max"), rows)
+    global_batch = job.batch_size * job.grad_accum
+    if best["milp"] and global_batch > 1:
+        splits = best_split(model, hw, job, opts, global_batch, best["milp"])
+        _table(f"global batch {global_batch}: micro-batch x accumulation, fastest first",
+               ("micro-batch", "grad_accum", "step s", "tokens/s"),
+               [(str(b), str(g), f"{p.predicted.step_time_s:.4g}", f"{p.predicted.tokens_per_s:,.0f}")
+                for b, g, p in splits])
+    return 0 if best["milp"] else 2
+
+
+def _table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        t = Table(title=title)
+        for h in header:
+            t.add_column(h)
+        for r in rows:
+            t.add_row(*r)
+        Console(width=140).print(t)
+    except ImportError:
+        print(title)
+        for r in [header, *rows]:
+            print("  ".join(str(c) for c in r))
+
+
+def main(argv: list[str]) -> int:
+    args = list(argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    sub = args[0] if args and "=" not in args[0] and not args[0].startswith("-") else None
+    try:
+        if sub == "show":
+            return cmd_show(args[1:])
+        if sub == "compare":
+            return cmd_compare(args[1:])
+        if sub == "max-batch":
+            return cmd_max_batch(args[1:])
+        if sub == "export-deepspeed":
+            from .plan_export import main as export_main
+            return export_main(args[1:])
+        if sub is not None:
+            raise ConfigError(f"unknown plan subcommand {sub!r}; valid: show, compare, max-batch, export-deepspeed")
+        return cmd_plan(args)
+    except (ConfigError, ModelConfigError, ValueError) as e:
+        print(f"lazytrain plan: {e}", file=sys.stderr)
+        return 2

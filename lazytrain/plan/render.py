@@ -1,0 +1,71 @@
+"""Human-readable views of a Plan: a per-layer table (identical neighbours collapsed) and a
+summary. Uses rich when it is installed, plain text otherwise."""
+
+from __future__ import annotations
+
+from ..spec import GiB
+from .plan import Plan
+
+
+def _groups(plan: Plan) -> list[tuple[str, int, tuple]]:
+    rows: list[tuple[str, int, tuple]] = []
+    segs = {s: e for s, e in plan.segments()}
+    for d in plan.layers:
+        seg = ""
+        if d.recompute:
+            e = segs.get(d.segment_start)
+            seg = f"{d.segment_start}-{e}" if e is not None else str(d.segment_start)
+        key = (d.kind, "yes" if d.recompute else "no", d.activation_tier, d.param_tier, d.grad_tier,
+               d.optimizer_tier, seg if d.recompute and d.activation_tier != "none" else "")
+        if rows and rows[-1][2] == key and d.kind == "block" and not key[6]:
+            name, n, _ = rows[-1]
+            rows[-1] = (name, n + 1, key)
+        else:
+            rows.append((d.name, 1, key))
+    return rows
+
+
+def summary_lines(plan: Plan) -> list[str]:
+    p = plan.predicted
+    pk = p.peak_bytes
+    j = plan.job
+    gap = "-" if plan.solver.gap is None else f"{plan.solver.gap:.2%}"
+    return [
+        f"plan {plan.input_hash}  model {plan.model_name}  hardware {plan.hardware.name}  method {plan.method}",
+        f"job {j.mode}  batch {j.batch_size} x seq {j.seq_len}  accum {j.grad_accum}  {j.compute_dtype}  "
+        f"optimizer states {j.optimizer_state_bits}-bit",
+        f"status {plan.status}  solver {plan.solver.name}  gap {gap}  solve {plan.solver.wall_s:.2f} s",
+        f"predicted step {p.step_time_s:.4g} s  ({p.tokens_per_s:,.0f} tokens/s)  compute {p.compute_s:.4g} s  "
+        f"recompute {p.recompute_s:.4g} s  exposed transfers {p.exposed_transfer_s:.4g} s",
+        f"peaks  device {pk['device'] / GiB:.2f} GiB (budget {plan.hardware.device_memory_gib:g})  "
+        f"host {pk['host'] / GiB:.2f} GiB  nvme {pk['nvme'] / GiB:.2f} GiB",
+    ]
+
+
+def render(plan: Plan, console=None) -> str:
+    """Return (and print to `console` if given) the full view."""
+    header = ("layers", "n", "recompute", "activations", "params", "grads", "optimizer", "segment")
+    body = [(name if n == 1 else f"{name} ..", str(n), *key[1:]) for name, n, key in _groups(plan)]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header, *body]]
+        text = "\n".join(summary_lines(plan) + [""] + lines + [""] + [f"- {x}" for x in plan.explanation])
+        if console is not None:
+            print(text)
+        return text
+    table = Table(title=f"plan {plan.input_hash}", show_lines=False)
+    for h in header:
+        table.add_column(h)
+    for r in body:
+        table.add_row(*r)
+    con = console or Console(record=True, width=120)
+    for line in summary_lines(plan):
+        con.print(line, highlight=False)
+    if plan.layers:
+        con.print(table)
+    for x in plan.explanation:
+        con.print(f"- {x}", highlight=False)
+    return con.export_text() if console is None else ""

@@ -1,0 +1,119 @@
+"""The MILP's predicted step time and per-tier peaks equal the simulator's replay of the plan it
+returns (within 1%), on random small problems; pinned plans are evaluated identically."""
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from lazytrain.costmodel import job_costs
+from lazytrain.plan.assignment import RECOMPUTE, STORE, Segment
+from lazytrain.plan.heuristics import HEURISTICS, heuristic_pins
+from lazytrain.plan.milp import Pins, solve_milp
+from lazytrain.plan.simulate import simulate
+from lazytrain.spec import GiB, JobSpec
+
+
+
+def _random_problem(rng: random.Random, llama, hw):
+    hidden = rng.choice([128, 256, 512])
+    model = llama(layers=rng.randint(2, 9), hidden=hidden, inter=hidden * rng.choice([2, 3]),
+                  vocab=rng.choice([512, 4096]), heads=4, kv=rng.choice([1, 2, 4]))
+    job = JobSpec(batch_size=rng.randint(1, 4), seq_len=rng.choice([128, 512, 1024]),
+                  grad_accum=rng.choice([1, 1, 3]), mode=rng.choice(["full", "lora"]),
+                  optimizer_state_bits=rng.choice([8, 32]))
+    costs0 = job_costs(model, hw(device_memory_gib=100), job)
+    total_act = sum(c.act_bytes for c in costs0.layers) + costs0.device_static_bytes
+    total_params = sum(c.param_bytes for c in costs0.layers)
+    device = (total_act + total_params) * rng.uniform(0.35, 1.2) / GiB
+    h = hw(device_memory_gib=max(device, 0.02), h2d_gbps=rng.uniform(0.05, 20), d2h_gbps=rng.uniform(0.05, 20),
+           nvme_read_gbps=rng.uniform(0.02, 3), nvme_write_gbps=rng.uniform(0.02, 3),
+           device_tflops=rng.uniform(0.5, 50), host_memory_gib=rng.choice([1.0, 64.0]),
+           host_reserve_gib=0.0, optimizer_overlaps_compute=rng.random() < 0.7)
+    return model, h, job
+
+
+def _close(a, b, tol=0.01):
+    return abs(a - b) <= tol * max(abs(a), abs(b)) + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(14))
+def test_milp_agrees_with_simulator(seed, make_llama, make_hw):
+    rng = random.Random(seed)
+    model, h, job = _random_problem(rng, make_llama, make_hw)
+    costs = job_costs(model, h, job)
+    r = solve_milp(costs, h, max_segment_len=rng.choice([2, 4, 8]), time_limit_s=20)
+    if r.status == "infeasible":
+        pytest.skip("random budget infeasible")  # the infeasible path has its own tests
+    tl = simulate(costs, r.assignment, h)
+    assert _close(r.objective_s, tl.step_time_s), (r.objective_s, tl.step_time_s)
+    for tier in ("device", "host", "nvme"):
+        assert _close(r.peak_bytes[tier], tl.peak_bytes[tier]) or abs(r.peak_bytes[tier] - tl.peak_bytes[tier]) < 4096, tier
+    assert tl.peak_bytes["device"] <= h.device_memory_bytes * 1.0001
+
+
+def test_enough_seeds_are_feasible(make_llama, make_hw):
+    feasible = 0
+    for seed in range(14):
+        model, h, job = _random_problem(random.Random(seed), make_llama, make_hw)
+        r = solve_milp(job_costs(model, h, job), h, time_limit_s=20)
+        feasible += r.status != "infeasible"
+    assert feasible >= 8
+
+
+def test_pinned_plan_is_evaluated_like_the_simulator(small):
+    model, h, job = small
+    costs = job_costs(model, h, job)
+    L = model.num_layers
+    segs = (Segment(0, 2, RECOMPUTE, "host"), Segment(2, 3, STORE, "device"), Segment(3, 4, STORE, "nvme"),
+            Segment(4, 6, RECOMPUTE, "device"))
+    pins = Pins(segments=segs, param_tier=("host",) + ("nvme",) * L + ("device",),
+                optimizer_tier=("host",) * (L + 2))
+    r = solve_milp(costs, h, pins=pins, device_capacity_bytes=10 * GiB,
+                   minimize="time")
+    h_big = replace(h, device_memory_gib=10)
+    r = solve_milp(job_costs(model, h_big, job), h_big, pins=pins)
+    assert r.status == "optimal"
+    assert r.assignment.segments == segs
+    tl = simulate(job_costs(model, h_big, job), r.assignment, h_big)
+    assert _close(r.objective_s, tl.step_time_s)
+    assert _close(r.peak_bytes["device"], tl.peak_bytes["device"])
+
+
+@pytest.mark.parametrize("budget_gib", [0.12, 0.3, 2.0])
+def test_milp_never_worse_than_any_heuristic(small, budget_gib):
+    model, h, job = small
+    h = replace(h, device_memory_gib=budget_gib)
+    costs = job_costs(model, h, job)
+    best = solve_milp(costs, h, mip_gap=1e-4)
+    for name in HEURISTICS:
+        r = solve_milp(costs, h, pins=heuristic_pins(name, model.num_layers), mip_gap=1e-4)
+        if r.status == "infeasible":
+            continue
+        assert best.status != "infeasible", name
+        assert best.objective_s <= r.objective_s * (1 + 1e-3), name
+
+
+def test_more_device_memory_is_never_slower(small):
+    model, h, job = small
+    times = []
+    for gib in (0.1, 0.2, 0.4, 0.8, 1.6):
+        hh = replace(h, device_memory_gib=gib)
+        r = solve_milp(job_costs(model, hh, job), hh, mip_gap=1e-4)
+        times.append(r.objective_s if r.status != "infeasible" else float("inf"))
+    assert all(b <= a * (1 + 2e-3) for a, b in zip(times, times[1:])), times
+    assert times[-1] < float("inf")
+
+
+def test_tight_budget_forces_recompute_or_offload(small):
+    model, h, job = small
+    roomy = replace(h, device_memory_gib=4)
+    r = solve_milp(job_costs(model, roomy, job), roomy)
+    assert all(s.mode == STORE and s.tier == "device" for s in r.assignment.segments)
+    # the least device memory any plan that keeps every activation on the device needs
+    need = solve_milp(job_costs(model, roomy, job), roomy, minimize="device_peak",
+                      pins=heuristic_pins("no-checkpoint", model.num_layers)).peak_bytes["device"]
+    tight = replace(h, device_memory_gib=0.8 * need / GiB)
+    r = solve_milp(job_costs(model, tight, job), tight)
+    assert r.status != "infeasible"
+    assert any(s.mode == RECOMPUTE or s.tier != "device" for s in r.assignment.segments)

@@ -1,0 +1,160 @@
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import lazytrain.plan.solve as solve_mod
+from lazytrain.cli.main import main as cli_main
+from lazytrain.plan import Plan, PlannerOptions, heuristic_plan, max_batch, min_device_bytes, plan_job
+from lazytrain.spec import GiB, ModelSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_plan_json_roundtrip_and_keys(small, tmp_path):
+    model, h, job = small
+    plan = plan_job(model, h, job, cache_dir=tmp_path)
+    d = json.loads(plan.to_json())
+    for key in ("schema_version", "input_hash", "status", "solver", "predicted", "layers"):
+        assert key in d
+    assert set(d["predicted"]["peak_bytes"]) == {"device", "host", "nvme"}
+    assert {"name", "recompute", "activation_tier", "param_tier", "grad_tier", "optimizer_tier"} <= set(d["layers"][0])
+    assert Plan.from_json(plan.to_json()) == plan
+    assert [x["name"] for x in d["layers"]] == ["embed"] + [f"block.{i}" for i in range(6)] + ["head"]
+
+
+def test_hash_covers_every_input(small, tmp_path):
+    model, h, job = small
+    base = plan_job(model, h, job, cache_dir=None).input_hash
+    variants = [
+        plan_job(model, replace(h, h2d_gbps=6.0), job, cache_dir=None),
+        plan_job(model, h, replace(job, seq_len=128), cache_dir=None),
+        plan_job(model, h, job, PlannerOptions(max_segment_len=2), cache_dir=None),
+        heuristic_plan("checkpoint-all", model, h, job, cache_dir=None),
+    ]
+    hashes = {base} | {p.input_hash for p in variants}
+    assert len(hashes) == 5
+
+
+def test_cache_hit_skips_solver_and_corrupt_entry_is_resolved(small, tmp_path, monkeypatch):
+    model, h, job = small
+    first = plan_job(model, h, job, cache_dir=tmp_path)
+    entry = tmp_path / f"{first.input_hash}.json"
+    assert entry.is_file()
+
+    def boom(*a, **k):
+        raise AssertionError("solver called on a cache hit")
+
+    monkeypatch.setattr(solve_mod, "solve_milp", boom)
+    assert plan_job(model, h, job, cache_dir=tmp_path) == first
+    with pytest.raises(AssertionError, match="solver called"):
+        plan_job(model, h, job, cache_dir=tmp_path, use_cache=False)
+    monkeypatch.undo()
+    entry.write_text('{"schema_version": 1, "truncated')
+    again = plan_job(model, h, job, cache_dir=tmp_path)
+    assert again.layers == first.layers
+    assert Plan.from_json(entry.read_text()).input_hash == first.input_hash
+
+
+def test_infeasible_budget_explains_what_fits(small):
+    model, h, job = small
+    job = replace(job, batch_size=8)
+    need1 = min_device_bytes(model, h, replace(job, batch_size=1), PlannerOptions())
+    h = replace(h, device_memory_gib=need1 * 1.5 / GiB)
+    plan = plan_job(model, h, job, cache_dir=None)
+    assert plan.status == "infeasible" and not plan.layers
+    text = " ".join(plan.explanation)
+    need = min_device_bytes(model, h, job, PlannerOptions())
+    assert f"{need / GiB:.2f} GiB" in text
+    best = max_batch(model, h, replace(job, batch_size=1), PlannerOptions())
+    assert 1 <= best < 8 and f"largest batch that fits" in text and f"is {best}" in text
+    # max-batch is exact: best fits, best+1 does not
+    assert plan_job(model, h, replace(job, batch_size=best), cache_dir=None).fits
+    assert not plan_job(model, h, replace(job, batch_size=best + 1), cache_dir=None, explain=False).fits
+
+
+def test_solver_timeout_returns_feasible_with_gap(make_llama, make_hw):
+    from lazytrain.spec import JobSpec
+    model = make_llama(layers=48, hidden=2048, inter=5632, vocab=32000)
+    h = make_hw(device_memory_gib=6.0, host_memory_gib=24.0, nvme_capacity_gib=200.0)
+    plan = plan_job(model, h, JobSpec(batch_size=2, seq_len=1024, mode="full"),
+                    PlannerOptions(time_limit_s=0.3, mip_gap=1e-9), cache_dir=None)
+    assert plan.status in ("feasible", "optimal")
+    if plan.status == "feasible":
+        assert plan.solver.gap is None or plan.solver.gap > 0
+
+
+def _cli(args, capsys):
+    rc = cli_main(["plan", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_plan_prints_table_and_writes_json_and_plot(tmp_path, capsys):
+    rc, out, _ = _cli(["model=tiny-llama", "hardware=rtx3090", "planner.cache=false",
+                       "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")], capsys)
+    assert rc == 0
+    assert "predicted step" in out and "block.0" in out and "peaks" in out
+    plan = Plan.from_json((tmp_path / "p.json").read_text())
+    assert plan.model_name == "tiny-llama" and plan.hardware.name == "rtx3090"
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    rc, out2, _ = _cli(["show", str(tmp_path / "p.json")], capsys)
+    assert rc == 0 and plan.input_hash in out2
+
+
+def test_cli_overrides_reach_the_specs(tmp_path, capsys):
+    rc, _, _ = _cli(["model=llama3-8b", "hardware=rtx3090", "job.mode=lora", "job.batch_size=2",
+                     "job.seq_len=1024", "hardware.device_memory_gib=20", "planner.cache=false",
+                     "--json", str(tmp_path / "p.json")], capsys)
+    assert rc == 0
+    plan = Plan.from_json((tmp_path / "p.json").read_text())
+    assert plan.job.mode == "lora" and plan.job.batch_size == 2 and plan.hardware.device_memory_gib == 20
+    assert plan.predicted.peak_bytes["device"] <= 20 * GiB
+
+
+def test_cli_infeasible_exits_2_and_writes_nothing(tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    rc, out, err = _cli(["model=llama3-8b", "hardware=rtx3090", "hardware.device_memory_gib=2",
+                         "job.seq_len=2048", "planner.cache=false", "--json", str(out_json)], capsys)
+    assert rc == 2 and not out_json.exists()
+    assert "needs at least" in err and "GiB" in err
+
+
+def test_cli_bad_names_list_valid_ones(capsys):
+    rc, _, err = _cli(["model=nope"], capsys)
+    assert rc == 2 and "llama3-8b" in err and "tiny-llama" in err
+    rc, _, err = _cli(["hardware=nope"], capsys)
+    assert rc == 2 and "rtx3090" in err
+    rc, _, err = _cli(["model.path=/does/not/exist"], capsys)
+    assert rc == 2 and "does not exist" in err
+
+
+def test_cli_model_path_config_missing_keys(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    rc, _, err = _cli([f"model.path={tmp_path}"], capsys)
+    assert rc == 2 and "num_hidden_layers" in err and "vocab_size" in err
+
+
+def test_planner_imports_no_torch():
+    code = ("import sys; import lazytrain.spec, lazytrain.costmodel, lazytrain.plan, lazytrain.cli.plan;"
+            "from lazytrain.cli.main import main;"
+            "rc = main(['plan', 'model=tiny-llama', 'planner.cache=false']);"
+            "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_golden_plans_in_solver_cache_load():
+    plans = sorted((REPO / "solver_cache" / "golden").glob("*.json"))
+    assert plans, "solver_cache/golden/ should ship golden plans"
+    for p in plans:
+        plan = Plan.from_json(p.read_text())
+        assert plan.fits and plan.layers
+        # re-planning the same inputs today predicts the same step time (regression guard)
+        model = ModelSpec.from_hf_config(plan.model_config, name=plan.model_name)
+        again = plan_job(model, plan.hardware, plan.job, plan.options, cache_dir=None)
+        assert again.fits
+        assert abs(again.predicted.step_time_s / plan.predicted.step_time_s - 1) < 0.02, p.name

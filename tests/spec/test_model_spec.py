@@ -1,0 +1,108 @@
+import json
+
+import pytest
+import torch
+import transformers
+
+from lazytrain.spec import ModelConfigError, ModelSpec
+
+BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+FAMILIES = {
+    "llama": dict(model_type="llama", num_hidden_layers=2, intermediate_size=96, attention_bias=True, mlp_bias=True),
+    "llama_tied": dict(model_type="llama", num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", num_hidden_layers=2, intermediate_size=96, head_dim=32),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, intermediate_size=96, head_dim=24),
+    "mixtral": dict(model_type="mixtral", num_hidden_layers=2, intermediate_size=96, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
+                      num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3], head_dim=16),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+                      num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=48),
+    "olmoe": dict(model_type="olmoe", num_hidden_layers=2, intermediate_size=32, num_experts=6,
+                  num_experts_per_tok=2, eos_token_id=1, pad_token_id=0),
+}
+
+
+def _hf(cfg: dict):
+    config = transformers.AutoConfig.for_model(**{**BASE, **cfg})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return config, model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_param_count_equals_hf_model_on_meta(family):
+    config, model = _hf(FAMILIES[family])
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert spec.param_count == sum(p.numel() for p in model.parameters())
+    # per block, too
+    for i, block in enumerate(model.model.layers):
+        assert spec.layers[i + 1].param_count == sum(p.numel() for p in block.parameters()), i
+
+
+def test_moe_layout_and_active_params():
+    config, _ = _hf(FAMILIES["qwen3_moe"])
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    experts = [layer.num_experts for layer in spec.blocks]
+    assert experts == [0, 6, 0, 0]  # sparse every 2nd layer, layer 3 forced dense
+    moe = spec.blocks[1]
+    assert moe.experts_per_token == 2 and moe.expert_param_count == 3 * 64 * 32
+    assert moe.active_param_count < moe.param_count
+
+
+def test_gqa_and_head_dim_are_respected():
+    spec = ModelSpec.from_hf_config({**BASE, **FAMILIES["mistral"]})
+    q = next(lin for lin in spec.blocks[0].linears if lin.name == "q_proj")
+    k = next(lin for lin in spec.blocks[0].linears if lin.name == "k_proj")
+    assert (q.out_features, k.out_features) == (4 * 32, 2 * 32)
+
+
+def test_json_roundtrip():
+    spec = ModelSpec.from_hf_config({**BASE, **FAMILIES["mixtral"]})
+    again = ModelSpec.from_json(spec.to_json())
+    assert again == spec and again.param_count == spec.param_count
+
+
+def test_missing_keys_are_named(tmp_path):
+    with pytest.raises(ModelConfigError, match="hidden_size.*vocab_size|vocab_size.*hidden_size"):
+        ModelSpec.from_hf_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "intermediate_size": 8})
+    with pytest.raises(ModelConfigError, match="not supported"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "gpt2", "num_hidden_layers": 1, "intermediate_size": 8})
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        ModelSpec.from_pretrained_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **FAMILIES["llama"]}))
+    assert ModelSpec.from_pretrained_dir(tmp_path).num_layers == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+def test_saved_activation_bytes_match_autograd(family):
+    """The analytic bytes a block saves for backward are within 10% of what HF's block really
+    saves (counted with saved-tensor hooks, distinct storages, bf16, SDPA)."""
+    cfg = dict(FAMILIES[family], hidden_size=256, intermediate_size=352, num_hidden_layers=1, head_dim=None)
+    cfg.pop("head_dim")
+    config = transformers.AutoConfig.for_model(**{**BASE, **cfg, "hidden_size": 256})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    B, S = 2, 64
+    block = model.model.layers[0]
+    x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(S)[None].expand(B, S)
+    pe = model.model.rotary_emb(x, pos)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
+    exclude = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in pe} | {x.untyped_storage().data_ptr()}
+    measured = sum(v for k, v in seen.items() if k not in exclude)
+    predicted = spec.layers[1].saved_bytes(B * S)
+    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
