@@ -54,12 +54,34 @@ class MilpResult:
     detail: str
 
 
-def make_solver(name: str, time_limit_s: float, mip_gap: float, presolve: bool = True):
+class _HiGHSWithStart(pulp.HiGHS):
+    """PuLP's HiGHS API solver, plus a (partial) starting solution handed to HiGHS by name:
+    HiGHS completes it and starts branch-and-bound with an incumbent."""
+
+    def __init__(self, start: dict[str, float] | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.start = start or {}
+
+    def callSolver(self, lp):
+        if self.start:
+            import numpy as np
+            idx = [v.index for v in lp.variables() if v.name in self.start]
+            val = [float(self.start[v.name]) for v in lp.variables() if v.name in self.start]
+            try:
+                lp.solverModel.setSolution(len(idx), np.asarray(idx, dtype=np.int32),
+                                           np.asarray(val, dtype=np.float64))
+            except Exception:  # older highspy: no partial solutions; solve cold
+                pass
+        lp.solverModel.run()
+
+
+def make_solver(name: str, time_limit_s: float, mip_gap: float, presolve: bool = True,
+                start: dict[str, float] | None = None):
     available = pulp.listSolvers(onlyAvailable=True)
     if name in ("auto", "highs") and "HiGHS" in available:
         extra = {} if presolve else {"presolve": "off"}
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2,
-                          mip_feasibility_tolerance=1e-7, **extra), "highs"
+        return _HiGHSWithStart(start=start, msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2,
+                               mip_feasibility_tolerance=1e-7, **extra), "highs"
     if name == "highs":
         raise RuntimeError("planner.solver=highs but highspy is not installed (pip install highspy)")
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2), "cbc"
@@ -69,7 +91,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                allow_nvme: bool = True, pins: Pins | None = None, solver: str = "auto",
                time_limit_s: float = 30.0, mip_gap: float = 1e-3,
                minimize: str = "time", device_capacity_bytes: int | None = None,
-               symmetry_breaking: bool = True) -> MilpResult:
+               symmetry_breaking: bool = True, start: Assignment | None = None) -> MilpResult:
     """Solve (or, with everything pinned, evaluate) one job. `minimize="device_peak"` finds the
     smallest device memory any plan needs (capacity unconstrained) for infeasibility reports."""
     pins = pins or Pins()
@@ -296,7 +318,17 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         prob += (step_time + 1e-3 * (traffic_s + recompute_s)) / t_ref + 1e-4 * peaks
 
     # ---- solve ----------------------------------------------------------------------------
-    slv, slv_name = make_solver(solver, time_limit_s, mip_gap)
+    start_values = None
+    if start is not None:  # warm start: every binary of a known-feasible plan
+        start_values = {v.name: 0.0 for v in x.values()}
+        for sg in start.segments:
+            key = (sg.s, sg.e, sg.mode, sg.tier)
+            if key in x:
+                start_values[x[key].name] = 1.0
+        for vs, tiers in ((p, start.param_tier), (o, start.optimizer_tier), (g, start.grad_tier)):
+            for (j, t), v in vs.items():
+                start_values[v.name] = 1.0 if tiers[j] == t else 0.0
+    slv, slv_name = make_solver(solver, time_limit_s, mip_gap, start=start_values)
     t0 = time.perf_counter()
     with _quiet_stdout():
         prob.solve(slv)

@@ -23,8 +23,9 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
         t = [x for x, _ in tl.device_curve] + [tl.step_time_s]
         b = [y / GiB for _, y in tl.device_curve]
         ax_m.step(t, b + b[-1:], where="post", label="device")
-    for tier in ("host", "nvme"):
-        ax_m.hlines(tl.peak_bytes[tier] / GiB, 0, tl.step_time_s, linestyles="dotted", label=f"{tier} (peak)")
+    for tier, color in (("host", "tab:green"), ("nvme", "tab:brown")):
+        ax_m.hlines(tl.peak_bytes[tier] / GiB, 0, tl.step_time_s, linestyles="dotted", colors=color,
+                    label=f"{tier} (peak)")
     ax_m.axhline(plan.hardware.device_memory_gib, color="red", lw=0.8, label="device budget")
     ax_m.set_ylabel("GiB")
     ax_m.legend(loc="upper right", fontsize=8)

@@ -124,7 +124,7 @@ def _rate(hw: HardwareSpec, resource: str) -> float | None:
             "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}.get(resource)
 
 
-def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, int], list[int]]:
+def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, int], list[tuple[int, int]]]:
     """Per-tier peak bytes and the device bytes at each op of a micro-batch."""
     layers = costs.layers
     L = costs.num_blocks
@@ -134,19 +134,20 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
     static = (costs.device_static_bytes
               + sum(c.param_bytes for c, t in zip(layers, a.param_tier) if t == "device")
               + depth * max(streamed, default=0) + 2 * max(offloaded, default=0))
-    curve: list[int] = []
+    curve: list[tuple[int, int]] = [(0, static)]  # (window index, device bytes)
     held = 0
     for seg in a.segments:  # forward
         kept = seg.kept_bytes(costs) if seg.tier == "device" else 0
         held += kept
         for j in range(seg.s + 1, seg.e + 1):
             transient = layers[j].act_bytes if seg.mode == RECOMPUTE else 0
-            curve.append(static + held + transient)
+            curve.append((fwd_window(L, j), static + held + transient))
     head = layers[L + 1]
-    curve.append(static + held + head.act_bytes + head.bwd_transient_bytes)
+    curve.append((fwd_window(L, L + 1), static + held + head.act_bytes + head.bwd_transient_bytes))
     for seg in reversed(a.segments):  # backward
-        curve.append(static + held + seg.working_bytes(costs))
+        curve.append((bwd_window(L, seg.e), static + held + seg.working_bytes(costs)))
         held -= seg.kept_bytes(costs) if seg.tier == "device" else 0
+    curve.append((bwd_window(L, 0), static + held))
 
     host = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "host")
             + depth * max(from_nvme, default=0) + costs.host_static_bytes
@@ -161,7 +162,7 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
             nvme += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "nvme")
         else:  # grads are consumed as they land: a double buffer of the largest layer's
             host += 2 * max(c.grad_store_bytes for c in layers)
-    return {"device": max(curve), "host": int(host), "nvme": int(nvme)}, curve
+    return {"device": max(b for _, b in curve), "host": int(host), "nvme": int(nvme)}, curve
 
 
 def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -> Timeline:
@@ -169,9 +170,9 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     G = costs.grad_accum
     events: list[Event] = []
     t = 0.0
-    device_curve: list[tuple[float, int]] = []
     peaks, curve = memory_peaks(costs, a, depth)
     compute_s = recompute_s = 0.0
+    window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
         windows = _window_items(costs, a, hw, final, depth)
@@ -188,8 +189,8 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
                     compute_s += dur
                 elif kind == "recompute":
                     recompute_s += dur
-            if k < len(curve):
-                device_curve.append((t, curve[k]))
+            window_start[m, k] = t
             t = max([t] + list(cursor.values()))
+    device_curve = [(window_start[m, k], nbytes) for m in range(G) for k, nbytes in curve]
     return Timeline(step_time_s=t, compute_s=compute_s, recompute_s=recompute_s, peak_bytes=peaks,
                     events=tuple(events), device_curve=tuple(device_curve))
