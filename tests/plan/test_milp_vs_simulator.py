@@ -117,3 +117,14 @@ def test_tight_budget_forces_recompute_or_offload(small):
     r = solve_milp(job_costs(model, tight, job), tight)
     assert r.status != "infeasible"
     assert any(s.mode == RECOMPUTE or s.tier != "device" for s in r.assignment.segments)
+
+
+def test_cbc_and_highs_agree(small):
+    model, h, job = small
+    h = replace(h, device_memory_gib=0.15)
+    costs = job_costs(model, h, job)
+    a = solve_milp(costs, h, solver="highs", mip_gap=1e-4)
+    b = solve_milp(costs, h, solver="cbc", mip_gap=1e-4)
+    assert (a.solver_name, b.solver_name) == ("highs", "cbc")
+    assert a.status != "infeasible" and b.status != "infeasible"
+    assert _close(a.objective_s, b.objective_s, tol=2e-3)
