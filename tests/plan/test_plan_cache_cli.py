@@ -107,12 +107,12 @@ def test_cli_plan_prints_table_and_writes_json_and_plot(tmp_path, capsys):
 
 def test_cli_overrides_reach_the_specs(tmp_path, capsys):
     rc, _, _ = _cli(["model=llama3-8b", "hardware=rtx3090", "job.mode=lora", "job.batch_size=2",
-                     "job.seq_len=1024", "hardware.device_memory_gib=20", "planner.cache=false",
+                     "job.seq_len=256", "hardware.device_memory_gib=40", "planner.cache=false",
                      "--json", str(tmp_path / "p.json")], capsys)
     assert rc == 0
     plan = Plan.from_json((tmp_path / "p.json").read_text())
-    assert plan.job.mode == "lora" and plan.job.batch_size == 2 and plan.hardware.device_memory_gib == 20
-    assert plan.predicted.peak_bytes["device"] <= 20 * GiB
+    assert plan.job.mode == "lora" and plan.job.batch_size == 2 and plan.hardware.device_memory_gib == 40
+    assert plan.predicted.peak_bytes["device"] <= 40 * GiB
 
 
 def test_cli_infeasible_exits_2_and_writes_nothing(tmp_path, capsys):
