@@ -1,0 +1,42 @@
+"""`lazytrain generate model.path=HF_DIR moe.store=STORE_DIR moe.cache_fraction=0.45 prompt="..."
+max_new_tokens=64 [--json]`: greedy generation with MoE experts streamed from SSD.
+
+Without --json: the text, then one stats line (hit rate, prefetch precision/recall, bytes, stalls,
+speed, cache size). With --json: one object {"token_ids", "text", "stats"} (stats of the decode phase,
+plus prefill_tokens, prefill_tokens_per_s, prefill_bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+USAGE = __doc__
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    as_json = "--json" in argv
+    overrides = [a for a in argv if a != "--json"]
+    from ..moe.cliutil import USER_ERRORS, compose, engine_kwargs, fail
+
+    try:
+        cfg = compose(overrides)
+        if not cfg.moe.store:
+            raise ValueError("generate streams MoE experts from a store: pass moe.store=STORE_DIR "
+                             "(create it with `lazytrain moe convert model.path=HF_DIR out=STORE_DIR`)")
+        from ..moe.api import generate
+
+        prompt_ids = list(cfg.prompt_ids) if cfg.get("prompt_ids") else None
+        res = generate(cfg.moe.store, prompt=cfg.prompt, prompt_ids=prompt_ids,
+                       max_new_tokens=int(cfg.max_new_tokens), **engine_kwargs(cfg))
+    except USER_ERRORS as e:
+        return fail("generate", e)
+    if as_json:
+        print(json.dumps(res.to_json()))
+    else:
+        print(res.text if res.text is not None else res.token_ids)
+        print(res.stats.line(), file=sys.stderr)
+    return 0

@@ -1,0 +1,326 @@
+"""The expert cache: a fixed pool of device slots, one expert record per slot, filled from the store
+by a deadline-ordered, bounded read queue served by a few I/O threads.
+
+Threading: only the forward thread allocates/evicts slots and changes the key->slot map; I/O threads
+only fill a slot they were handed and then set the request's event. A slot is freed only after its
+request's event is set (cancelling just marks the request), so a read never lands in a reused slot,
+and the forward never computes on a slot whose read has not finished (it waits on the event: that wait
+is the stall we report). The heap is pushed/popped under the GIL (heapq is C, keys are ints) and
+workers are woken through a C SimpleQueue: the forward thread never waits on a Python lock that a
+descheduled I/O thread holds (that cost ~2.5 ms per read on the loaded 2-vCPU machines).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..storage.aligned_io import aligned_empty
+from .policies import EvictionPolicy, Key
+from .stats import MoeCounters
+from .store import ExpertStore, StoreError
+
+
+class CacheTooSmallError(ValueError):
+    """The cache cannot hold one layer's routed experts."""
+
+
+@dataclass
+class ReadRequest:
+    key: Key
+    slot: int
+    deadline: int
+    prefetch: bool
+    state: str = "queued"            # queued | reading | done | failed
+    cancelled: bool = False          # set by the forward thread; the worker then skips the read
+    event: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class ExpertCache:
+    """Slots + eviction + reads. `acquire` is the demand path, `prefetch` the speculative one."""
+
+    def __init__(self, store: ExpertStore, num_slots: int, policy: EvictionPolicy,
+                 device: torch.device | str = "cpu", io_workers: int = 2, queue_depth: int = 16,
+                 verify: str = "first") -> None:
+        min_slots = max(lr.num_experts for lr in store.layers)
+        if num_slots < min_slots:
+            raise CacheTooSmallError(
+                f"expert cache of {num_slots} slots cannot hold one layer's routed experts; the minimum "
+                f"is {min_slots} slots (a prompt can route to all {min_slots} experts of a layer), i.e. "
+                f"moe.cache_slots={min_slots} or moe.cache_fraction>="
+                f"{min_slots / sum(lr.num_experts for lr in store.layers):.3f}")
+        if verify not in ("first", "always", "never"):
+            raise ValueError(f"moe.verify must be first|always|never, got {verify!r}")
+        self.store, self.policy, self.verify = store, policy, verify
+        self.device = torch.device(device)
+        self.num_slots, self.slot_bytes = num_slots, store.record_bytes
+        if self.device.type == "cpu":
+            # One aligned block so every slot is 4096-aligned for O_DIRECT reads straight into it.
+            self.pool = aligned_empty(num_slots * self.slot_bytes).view(num_slots, self.slot_bytes)
+        else:
+            self.pool = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
+        self.slot_of: dict[Key, int] = {}
+        self.owner: list[Key | None] = [None] * num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.pending: dict[Key, ReadRequest] = {}     # queued or reading
+        self.prefetched: set[Key] = set()             # loaded by prefetch, not yet demanded
+        self.pinned: set[int] = set()
+        self.verified: set[Key] = set()
+        self.counters = MoeCounters()
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        import queue
+
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
+        self._heap: list[tuple[int, int, ReadRequest]] = []
+        self._seq = itertools.count()
+        self.queue_depth = queue_depth
+        self.io_workers = max(1, io_workers)
+        self.read_s_ema = 0.0                          # seconds per expert read (for lookahead=auto)
+        self._closed = False
+        self._threads = [threading.Thread(target=self._worker, name=f"lazytrain-moe-io{i}", daemon=True)
+                         for i in range(max(1, io_workers))]
+        for t in self._threads:
+            t.start()
+
+    # ---- views: the pool seen as the model's fused expert tensors, slot-indexed -----------------
+    def layer_views(self, layer: int) -> dict[str, torch.Tensor]:
+        """{param name: tensor [num_slots, *per-expert shape]} strided views into the pool."""
+        v = self._views.get(layer)
+        if v is None:
+            lr = self.store.layers[layer]
+            v = {}
+            for spec, off in zip(lr.tensors, lr.offsets):
+                dt = getattr(torch, spec.dtype)
+                flat = self.pool[:, off:off + spec.nbytes].view(dt)
+                v[spec.name] = flat.view(self.num_slots, *spec.shape)
+            self._views[layer] = v
+        return v
+
+    # ---- slot allocation (forward thread only) ------------------------------------------------
+    def _evictable(self) -> list[Key]:
+        return [k for k, s in self.slot_of.items() if s not in self.pinned and k not in self.pending]
+
+    def _alloc(self, now: int) -> int | None:
+        if self.free:
+            return self.free.pop()
+        cand = self._evictable()
+        if not cand:
+            return None
+        victim = self.policy.victim(cand, now)
+        slot = self.slot_of.pop(victim)
+        self.owner[slot] = None
+        self.policy.forget(victim)
+        self.prefetched.discard(victim)
+        return slot
+
+    def _enqueue(self, key: Key, slot: int, deadline: int, prefetch: bool) -> ReadRequest:
+        req = ReadRequest(key, slot, deadline, prefetch)
+        self.slot_of[key] = slot
+        self.owner[slot] = key
+        self.pending[key] = req
+        self._push(deadline, req)
+        return req
+
+    def _push(self, deadline: int, req: ReadRequest) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._seq), req))
+        self._wake.put(True)
+
+    def _cancel_queued(self, keep: set[Key]) -> int:
+        """Cancel queued (not started) prefetches not in `keep`; their slots are freed by `_reap`
+        once the worker has skipped them."""
+        n = 0
+        for key, req in self.pending.items():
+            if req.prefetch and req.state == "queued" and key not in keep and not req.cancelled:
+                req.cancelled = True
+                n += 1
+        return n
+
+    def _reap(self) -> None:
+        """Drop finished requests from `pending`; free slots of cancelled or failed prefetches."""
+        for key, req in list(self.pending.items()):
+            if req.event.is_set():
+                if req.cancelled or (req.error is not None and req.prefetch):
+                    self._release(key)
+                elif req.state == "skipped":     # un-cancelled after the skip: wait() re-reads it
+                    continue
+                elif req.error is None:
+                    del self.pending[key]
+
+    def _release(self, key: Key) -> None:
+        slot = self.slot_of.pop(key, None)
+        self.pending.pop(key, None)
+        self.prefetched.discard(key)
+        if slot is not None:
+            self.owner[slot] = None
+            self.free.append(slot)
+
+    # ---- demand path --------------------------------------------------------------------------
+    def acquire(self, layer: int, experts: list[int], now: int, c: MoeCounters) -> list[ReadRequest]:
+        """Pin `experts` of `layer`, start demand reads for misses; returns requests to wait on."""
+        keys = [(layer, e) for e in experts]
+        waits: list[ReadRequest] = []
+        self._reap()
+        # Prefetches queued for this layer that routing did not pick are now useless.
+        self._cancel_queued(keep=set(keys) | {k for k in self.pending if k[0] != layer})
+        for key in keys:
+            c.demand += 1
+            slot = self.slot_of.get(key)
+            if slot is not None:
+                self.pinned.add(slot)
+                req = self.pending.get(key)
+                if req is not None and req.cancelled:
+                    req.cancelled = False            # wanted after all: un-cancel (maybe already skipped)
+                    if req.event.is_set() and req.state != "done":
+                        req = self._reissue(req, now)
+                if req is not None and req.event.is_set() and req.error is None:
+                    self._finish(req)            # finished in the background: a hit
+                    req = None
+                if req is not None:
+                    c.late += 1
+                    if req.deadline > now:       # promote: the forward needs it now
+                        req.deadline = now
+                        self._push(now, req)
+                    waits.append(req)
+                else:
+                    c.hits += 1
+                if key in self.prefetched:
+                    c.prefetch_used += 1
+                    self.prefetched.discard(key)
+            else:
+                c.misses += 1
+                slot = self._alloc(now)
+                while slot is None:              # every slot pinned or in flight: wait for one read
+                    self._reap()
+                    slot = self._alloc(now)
+                    if slot is not None:
+                        break
+                    busy = [r for r in self.pending.values()
+                            if not r.event.is_set() and r.slot not in self.pinned]
+                    if not busy:
+                        raise CacheTooSmallError(
+                            f"no free expert slot for layer {layer} ({self.num_slots} slots, "
+                            f"{len(self.pinned)} pinned); raise moe.cache_slots")
+                    t0 = time.perf_counter()
+                    busy[0].event.wait()
+                    c.stall_s += time.perf_counter() - t0
+                    slot = None
+                self.pinned.add(slot)
+                waits.append(self._enqueue(key, slot, now, prefetch=False))
+            self.policy.touch(key, now)
+        return waits
+
+    def wait(self, waits: list[ReadRequest], c: MoeCounters) -> None:
+        for req in waits:
+            self._wait(req, c)
+            if req.state == "skipped":           # skipped as cancelled while being demanded again
+                req = self._reissue(req, req.deadline)
+                self._wait(req, c)
+            self._finish(req)
+
+    def _wait(self, req: ReadRequest, c: MoeCounters) -> None:
+        if not req.event.is_set():
+            t0 = time.perf_counter()
+            req.event.wait()
+            c.stall_s += time.perf_counter() - t0
+        if req.error is not None:
+            err = req.error
+            self._release(req.key)
+            raise err
+
+    def _reissue(self, req: ReadRequest, now: int) -> ReadRequest:
+        """A cancelled prefetch the worker already skipped, demanded after all: read it again."""
+        new = ReadRequest(req.key, req.slot, now, prefetch=req.prefetch)
+        self.pending[req.key] = new
+        self._push(now, new)
+        return new
+
+    def _finish(self, req: ReadRequest) -> None:
+        if self.pending.get(req.key) is req:
+            del self.pending[req.key]
+
+    def slots(self, layer: int, experts: list[int]) -> list[int]:
+        return [self.slot_of[(layer, e)] for e in experts]
+
+    def unpin(self) -> None:
+        self.pinned.clear()
+
+    # ---- prefetch path ------------------------------------------------------------------------
+    def prefetch(self, layer: int, experts: list[int], deadline: int, now: int, c: MoeCounters) -> None:
+        self._reap()     # so `pending` only holds reads still queued or on the disk
+        for e in experts:
+            key = (layer, e)
+            if key in self.slot_of:
+                continue
+            if len(self.pending) >= self.queue_depth:
+                c.prefetch_dropped += 1
+                continue
+            slot = self._alloc(now)
+            if slot is None:
+                c.prefetch_dropped += 1
+                continue
+            self._enqueue(key, slot, deadline, prefetch=True)
+            self.prefetched.add(key)
+            self.policy.touch(key, now)
+            c.prefetch_issued += 1
+
+    def resident(self, layer: int) -> set[int]:
+        return {e for (l, e) in self.slot_of if l == layer}
+
+    # ---- I/O threads --------------------------------------------------------------------------
+    def _worker(self) -> None:
+        staging = None
+        stream = None
+        if self.device.type == "cuda":
+            staging = aligned_empty(self.slot_bytes, pin=True)
+            stream = torch.cuda.Stream(self.device)
+        while True:
+            self._wake.get()                     # one token per heap push
+            if self._closed:
+                return
+            try:
+                _, _, req = heapq.heappop(self._heap)
+            except IndexError:
+                continue
+            if req.state != "queued":            # stale duplicate of a promoted request
+                continue
+            if req.cancelled:                    # the forward no longer wants it: skip the read
+                req.state = "skipped"
+                req.event.set()
+                continue
+            req.state = "reading"
+            try:
+                layer, expert = req.key
+                buf = staging if staging is not None else self.pool[req.slot]
+                t0 = time.perf_counter()
+                n = self.store.read_into(layer, expert, buf)
+                dt = time.perf_counter() - t0
+                self.read_s_ema = dt if self.read_s_ema == 0 else 0.9 * self.read_s_ema + 0.1 * dt
+                if self.verify == "always" or (self.verify == "first" and req.key not in self.verified):
+                    self.store.verify(layer, expert, buf)
+                    self.verified.add(req.key)
+                if staging is not None:
+                    # Copy on a side stream and wait for it here, so the event means "on device".
+                    with torch.cuda.stream(stream):
+                        self.pool[req.slot].copy_(staging, non_blocking=True)
+                    stream.synchronize()
+                self.counters.bytes_read += n
+                self.counters.reads += 1
+                req.state = "done"
+            except (OSError, StoreError) as e:
+                req.error, req.state = e, "failed"
+            except BaseException as e:  # never leave the forward waiting forever
+                req.error, req.state = e, "failed"
+            req.event.set()
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._wake.put(False)
+        for t in self._threads:
+            t.join(timeout=5)

@@ -1,0 +1,39 @@
+"""Shared bits of `lazytrain generate` and `lazytrain moe`: config composition and error lines."""
+
+from __future__ import annotations
+
+import sys
+
+# Errors a user can fix: printed as one line, exit code 2 (never a traceback).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, OSError, KeyError)
+
+
+def compose(overrides: list[str]):
+    """The Hydra config with the `moe` group selected; `model.path=` works with any model group."""
+    from ..cli.config import load_config
+
+    ovs = []
+    for ov in overrides:
+        key = ov.split("=", 1)[0]
+        # model groups define name/hf_config only; path is added here (Hydra's `++` = add or override)
+        ovs.append("++" + ov if key == "model.path" else ov)
+    if not any(o.lstrip("+").startswith("moe=") for o in ovs):
+        ovs.insert(0, "+moe=default")
+    return load_config(ovs)
+
+
+def engine_kwargs(cfg) -> dict:
+    m = cfg.moe
+    return dict(model_path=cfg.model.get("path"), cache_slots=m.cache_slots,
+                cache_fraction=float(m.cache_fraction), eviction=m.eviction, prefetch=m.prefetch,
+                predictor_path=m.predictor, lookahead=m.lookahead if str(m.lookahead) == "auto" else int(m.lookahead), prefetch_extra=int(m.prefetch_extra),
+                device=m.device, io_workers=int(m.io_workers), queue_depth=m.queue_depth, verify=m.verify,
+                direct=bool(m.direct_io))
+
+
+def fail(cmd: str, e: BaseException) -> int:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, KeyError):
+        msg = f"missing key {msg}"
+    print(f"lazytrain {cmd}: error: {msg}", file=sys.stderr)
+    return 2

@@ -1,0 +1,170 @@
+"""Convert a Hugging Face MoE checkpoint (or an in-memory model) into an expert store.
+
+Two on-disk layouts are read, shard by shard and expert by expert (never all experts in RAM):
+- per-expert keys, what `save_pretrained` writes in transformers 5 for compatibility:
+  `...block_sparse_moe.experts.3.w1.weight` (Mixtral) or `...mlp.experts.3.gate_proj.weight` (Qwen, OLMoE);
+- fused keys, the in-memory layout: `...mlp.experts.gate_up_proj [E, 2I, H]`, `...down_proj [E, H, I]`.
+Key renames (e.g. Mixtral's block_sparse_moe -> mlp) come from transformers' own conversion mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .arch import MoeLayer, build_meta_model, find_moe_layers
+from .store import StoreError, StoreWriter
+
+# Per-expert projection names -> role; gate and up are concatenated [gate; up] like transformers does.
+_GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+
+
+def _expert_param_set(layers: list[MoeLayer]) -> set[str]:
+    return {f"{ml.experts_name}.{t.name}" for ml in layers for t in ml.tensors}
+
+
+def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write the store of an in-memory model (fused expert parameters)."""
+    layers = find_moe_layers(model)
+    writer = StoreWriter(out_dir, model.config.to_dict())
+    for ml in layers:
+        params = {t.name: getattr(ml.experts, t.name) for t in ml.tensors}
+        writer.write_layer(ml, lambda e, p=params: {k: v[e] for k, v in p.items()})
+    skip = _expert_param_set(layers)
+    writer.write_non_expert({k: v for k, v in model.state_dict().items() if k not in skip})
+    _copy_tokenizer(tokenizer_dir, writer.dir)
+    return writer.close()
+
+
+def _copy_tokenizer(src: str | Path | None, dst: Path) -> None:
+    if src is None:
+        return
+    for name in TOKENIZER_FILES:
+        p = Path(src) / name
+        if p.is_file():
+            shutil.copy2(p, dst / name)
+
+
+def _shards(hf_dir: Path) -> list[Path]:
+    idx = hf_dir / "model.safetensors.index.json"
+    if idx.is_file():
+        files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        return [hf_dir / f for f in files]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise StoreError(f"{hf_dir}: no *.safetensors files (only safetensors checkpoints are read)")
+    return files
+
+
+def _renamer(model: nn.Module):
+    """transformers' own key renames for this model type (not its expert merges: we do those)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renames = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
+        return lambda k: rename_source_key(k, renames, [])[0]
+    except Exception:  # an older/newer transformers without this API: names are used as they are
+        return lambda k: k
+
+
+def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert a local HF checkpoint directory (config.json + safetensors) into a store."""
+    from safetensors import safe_open
+
+    src = Path(hf_dir).expanduser()
+    if not (src / "config.json").is_file():
+        raise StoreError(f"model.path {src} has no config.json (is it a Hugging Face model directory?)")
+    hf_config = json.loads((src / "config.json").read_text())
+    meta = build_meta_model(hf_config)
+    layers = find_moe_layers(meta)
+    rename = _renamer(meta)
+    expected = set(meta.state_dict().keys())
+    prefixes = {ml.experts_name: ml for ml in layers}
+    per_expert = re.compile(r"^(.*)\.(\d+)\.(\w+)\.weight$")
+
+    # Where each needed tensor lives: non-expert name -> (file, key); experts -> (file, key, kind)
+    non_expert: dict[str, tuple[Path, str]] = {}
+    fused: dict[tuple[str, str], tuple[Path, str]] = {}
+    split: dict[tuple[str, int, str], tuple[Path, str]] = {}
+    for shard in _shards(src):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                name = rename(key)
+                owner, _, leaf = name.rpartition(".")
+                if owner in prefixes:
+                    fused[(owner, leaf)] = (shard, key)
+                    continue
+                m = per_expert.match(name)
+                if m and m.group(1) in prefixes:
+                    split[(m.group(1), int(m.group(2)), m.group(3))] = (shard, key)
+                    continue
+                if name in expected:
+                    non_expert[name] = (shard, key)
+
+    dtype = _expert_dtype(fused, split)
+    if dtype is not None and dtype != next(iter(layers[0].experts.parameters())).dtype:
+        meta = meta.to(dtype)              # meta tensors: a change of label, no memory
+        layers = find_moe_layers(meta)
+    skip = _expert_param_set(layers)
+    missing = sorted(k for k in expected - skip - set(non_expert)
+                     if not (k == "lm_head.weight" and hf_config.get("tie_word_embeddings")))
+    if missing:
+        raise StoreError(f"{src}: checkpoint lacks {len(missing)} weights the model needs, "
+                         f"e.g. {', '.join(missing[:3])}")
+
+    writer = StoreWriter(out_dir, hf_config)
+    for ml in layers:
+        writer.write_layer(ml, _expert_reader(ml, fused, split, src))
+    tensors = {}
+    for name, (shard, key) in non_expert.items():
+        with safe_open(str(shard), "pt") as f:
+            tensors[name] = f.get_tensor(key)
+    writer.write_non_expert(tensors)
+    _copy_tokenizer(src, writer.dir)
+    return writer.close()
+
+
+def _expert_dtype(fused: dict, split: dict) -> torch.dtype | None:
+    from safetensors import safe_open
+
+    for shard, key in list(fused.values())[:1] + list(split.values())[:1]:
+        with safe_open(str(shard), "pt") as f:
+            return f.get_slice(key)[:1].dtype
+    return None
+
+
+def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path):
+    from safetensors import safe_open
+
+    def read(e: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for t in ml.tensors:
+            if (ml.experts_name, t.name) in fused:
+                shard, key = fused[(ml.experts_name, t.name)]
+                with safe_open(str(shard), "pt") as f:
+                    out[t.name] = f.get_slice(key)[e]          # reads only expert e's rows
+                continue
+            roles = {"gate_up_proj": (_GATE, _UP), "down_proj": (_DOWN,), "up_proj": (_UP,)}.get(t.name)
+            parts = []
+            for role in roles or ():
+                hit = next((split[(ml.experts_name, e, n)] for n in role
+                            if (ml.experts_name, e, n) in split), None)
+                if hit is None:
+                    break
+                with safe_open(str(hit[0]), "pt") as f:
+                    parts.append(f.get_tensor(hit[1]))
+            if roles is None or len(parts) != len(roles):
+                raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
+                                 "(neither fused nor per-expert keys found)")
+            out[t.name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        return out
+
+    return read

@@ -1,0 +1,301 @@
+"""Streamed MoE inference: the HF model with non-expert weights resident and experts served by the
+expert cache, plugged in through transformers' experts-implementation interface.
+
+We register `lazytrain_stream` in `ExpertsInterface` and select it with
+`model.set_experts_implementation(...)`; every experts module then calls `_stream_experts_forward`
+with the model's own routing (top_k_index, top_k_weights). We load those experts, remap expert ids to
+cache slots, and run the model's original experts kernel (grouped_mm / batched_mm / eager) on
+slot-indexed views of the cache pool. Same kernel, same weights, same routing: the output is the
+all-resident model's output, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from .arch import MoeLayer, NotMoeModelError, build_meta_model, find_moe_layers
+from .cache import ExpertCache
+from .policies import Forecast, make_policy
+from .predictor import Oracle, PredictorHeads, SpeculativeGate, TrainedPredictor
+from .stats import MoeCounters, MoeStats
+from .store import ExpertStore, StoreError, StoreMismatchError
+
+EXPERTS_IMPL = "lazytrain_stream"
+
+
+def _stream_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    return self._lazytrain_engine.forward_layer(self, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_implementation() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPL, _stream_experts_forward)
+
+
+def _base_forward(model: nn.Module, experts: nn.Module):
+    """The kernel the all-resident model would use (its configured experts implementation)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = model.config._experts_implementation
+    if name in (None, "eager", EXPERTS_IMPL) or name not in ALL_EXPERTS_FUNCTIONS:
+        return type(experts).forward.__wrapped__, "eager"
+    return ALL_EXPERTS_FUNCTIONS[name], name
+
+
+class StreamedMoE:
+    """A model whose experts stream from an ExpertStore through an ExpertCache."""
+
+    def __init__(self, model: nn.Module, layers: list[MoeLayer], store: ExpertStore, cache: ExpertCache,
+                 predictor=None, auto_lookahead: int = 0) -> None:
+        self.model, self.layers, self.store, self.cache = model, layers, store, cache
+        self.predictor = predictor
+        self.auto_lookahead = auto_lookahead        # 0: fixed; else the most layers to look ahead
+        self._t_prev, self.layer_s_ema = None, 0.0
+        self.step = 0
+        self.phase = "prefill"
+        self.counters = {"prefill": MoeCounters(), "decode": MoeCounters()}
+        self.record: list[tuple[int, tuple[int, ...]]] | None = None     # routing per layer call
+        self.record_hidden: list | None = None                           # (layer, x, topk) for training
+        self._proxies: dict[int, dict] = {}
+        self._base, self.base_name = _base_forward(model, layers[0].experts)
+        for ml in layers:
+            ml.experts._lazytrain_engine = self
+            ml.experts._lazytrain_layer = ml.index
+        register_experts_implementation()
+        model.set_experts_implementation(EXPERTS_IMPL)
+
+    @property
+    def total_experts(self) -> int:
+        return sum(ml.num_experts for ml in self.layers)
+
+    def _proxy(self, experts: nn.Module, layer: int, slots: list[int]) -> SimpleNamespace:
+        """Stands in for the experts module: same flags and activation; weights = the routed experts
+        gathered from their slots into contiguous [n_routed, ...] tensors (a strided view of the
+        whole pool would make the kernel copy every slot on each call)."""
+        flags = self._proxies.get(layer)
+        if flags is None:
+            flags = dict(has_gate=experts.has_gate, has_bias=experts.has_bias,
+                         is_transposed=experts.is_transposed, has_post_expert_norm=experts.has_post_expert_norm,
+                         post_expert_norm=getattr(experts, "post_expert_norm", None),
+                         _is_expert_parallel=False, act_fn=experts.act_fn, _apply_gate=experts._apply_gate,
+                         config=experts.config, training=False)
+            self._proxies[layer] = flags
+        idx = torch.tensor(slots, dtype=torch.long, device=self.cache.pool.device)
+        weights = {name: v.index_select(0, idx) for name, v in self.cache.layer_views(layer).items()}
+        return SimpleNamespace(num_experts=len(slots), **flags, **weights)
+
+    @torch.no_grad()
+    def forward_layer(self, experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+        l = experts._lazytrain_layer
+        c = self.counters[self.phase]
+        step, self.step = self.step, self.step + 1
+        if l == 0:
+            c.tokens += x.shape[0]
+        ids = torch.unique(top_k_index).tolist()                  # one sync: the routing decision
+        if self.record is not None:
+            self.record.append((l, tuple(ids)))
+        if self.record_hidden is not None:
+            self.record_hidden.append((l, x.detach().float().clone(), top_k_index.clone()))
+        waits = self.cache.acquire(l, ids, step, c)
+        if self.auto_lookahead and x.shape[0] == 1:
+            self._tune_lookahead()
+        if self.predictor is not None and x.shape[0] == 1:
+            # Issue next-layer reads *before* waiting, so they overlap this layer's compute.
+            t0 = time.perf_counter()
+            forecast = self.cache.policy if isinstance(self.cache.policy, Forecast) else None
+            for target, experts_ in self.predictor.predict(l, x, top_k_index, step):
+                self.cache.prefetch(target, experts_, deadline=step + target - l, now=step, c=c)
+                if forecast is not None:
+                    for e in experts_:
+                        forecast.predict((target, e), step + target - l)
+            c.predictor_s += time.perf_counter() - t0
+        self.cache.wait(waits, c)
+        if isinstance(self.cache.policy, Forecast):
+            self.cache.policy.observe_layer(l, ids, self.layers[l].num_experts)
+        # Routed expert ids -> 0..n-1 (ids are sorted, so group order matches the all-resident kernel).
+        lut = torch.zeros(self.layers[l].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
+        lut[ids] = torch.arange(len(ids), dtype=top_k_index.dtype, device=lut.device)
+        try:
+            proxy = self._proxy(experts, l, self.cache.slots(l, ids))
+        finally:
+            self.cache.unpin()       # the gathered copy is ours: the slots may be reused from here on
+        return self._base(proxy, x, lut[top_k_index], top_k_weights)
+
+    def _tune_lookahead(self) -> None:
+        """Look as many layers ahead as one layer's reads take layers of compute (SeqMoE: one layer's
+        compute hides only ~1.4 expert transfers on PCIe 4, so one layer ahead is often too late)."""
+        import math
+
+        now = time.perf_counter()
+        if self._t_prev is not None and now - self._t_prev < 1.0:
+            dt = now - self._t_prev
+            self.layer_s_ema = dt if self.layer_s_ema == 0 else 0.9 * self.layer_s_ema + 0.1 * dt
+        self._t_prev = now
+        if self.layer_s_ema > 0 and self.cache.read_s_ema > 0:
+            need_s = self.cache.read_s_ema * self.layers[0].top_k / self.cache.io_workers
+            la = min(self.auto_lookahead, max(1, math.ceil(need_s / self.layer_s_ema)))
+            target = getattr(self.predictor, "gate", self.predictor)
+            if target is not None:
+                target.lookahead = la
+
+    # ---- generation ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.counters = {"prefill": MoeCounters(), "decode": MoeCounters()}
+        self._bytes0 = self.cache.counters.bytes_read
+
+    def stats(self, phase: str = "decode") -> MoeStats:
+        return MoeStats.from_counters(self.counters[phase], self.cache.num_slots, self.total_experts,
+                                      self.cache.slot_bytes, self.store.io_mode)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+        """Greedy generation; prefill and decode counters are kept apart (decode = steady state)."""
+        from transformers.generation.streamers import BaseStreamer
+
+        eng = self
+
+        class _Phase(BaseStreamer):
+            def __init__(self) -> None:
+                self.calls, self.t_decode0 = 0, None
+
+            def put(self, value) -> None:
+                self.calls += 1
+                if self.calls == 2:        # first generated token is out: prefill is over
+                    eng._close_phase("prefill")
+                    eng.phase = "decode"
+                    self.t_decode0 = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
+        self.phase = "prefill"
+        streamer = _Phase()
+        t0 = time.perf_counter()
+        self._phase_t0, self._phase_bytes0 = t0, self.cache.counters.bytes_read
+        out = self.model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                  streamer=streamer, **kwargs)
+        self._close_phase(self.phase)
+        self.phase = "prefill"
+        return out
+
+    def _close_phase(self, phase: str) -> None:
+        now = time.perf_counter()
+        c = self.counters[phase]
+        c.wall_s += now - self._phase_t0
+        c.bytes_read += self.cache.counters.bytes_read - self._phase_bytes0
+        self._phase_t0, self._phase_bytes0 = now, self.cache.counters.bytes_read
+
+    def close(self) -> None:
+        self.cache.close()
+        self.store.close()
+
+
+def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq, ...) are not in any checkpoint: rebuild those modules
+    from their config on the real device."""
+    for name, m in list(model.named_modules()):
+        if not any(b.is_meta for b in m.buffers(recurse=False)):
+            continue
+        if any(p.is_meta for p in m.parameters(recurse=False)) or not hasattr(m, "config"):
+            raise StoreError(f"{name}: buffers without weights in the store; cannot rebuild")
+        with torch.device(device):
+            new = type(m)(config=m.config)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None,
+                  cache_slots: int | None = None, cache_fraction: float = 0.45, eviction: str = "lru",
+                  prefetch: str = "gate", predictor_path: str | Path | None = None,
+                  lookahead: int | str = 1,
+                  prefetch_extra: int = 0, device: str = "cpu", io_workers: int = 2,
+                  queue_depth: int | None = None, verify: str = "first", direct: bool = True,
+                  future: list | None = None) -> StreamedMoE:
+    """Build the model from the store (non-expert weights only) and attach the expert cache.
+
+    prefetch: none | gate (speculative gate) | predictor (trained heads, `predictor_path`) | oracle.
+    lookahead: layers predicted ahead, or "auto" (from measured read time vs layer time, at most 4).
+    eviction: lru | lfu | forecast (| belady with `future`, benchmark only).
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    store = ExpertStore(store_dir, direct=direct)
+    try:
+        hf_config = store.hf_config
+        if model_path is not None:
+            p = Path(model_path).expanduser()
+            if not (p / "config.json").is_file():
+                raise StoreError(f"model.path {p} has no config.json")
+            hf_config = json.loads((p / "config.json").read_text())
+        model = build_meta_model(hf_config)
+        find_moe_layers(model)                 # NotMoeModelError before anything else
+        sd = load_file(str(store.non_expert_path), device=str(device))
+        dtype = next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
+        model = model.to(dtype)
+        layers = find_moe_layers(model)
+        store.check_model(layers)
+        expert_keys = {f"{ml.experts_name}.{t.name}" for ml in layers for t in ml.tensors}
+        expected = {k: v for k, v in model.state_dict().items() if k not in expert_keys}
+        bad = [f"{k}: store {list(sd[k].shape)}, model {list(v.shape)}"
+               for k, v in expected.items() if k in sd and tuple(sd[k].shape) != tuple(v.shape)]
+        if bad:
+            raise StoreMismatchError(f"expert store {store.dir} does not match the model: "
+                                     + "; ".join(bad[:4]))
+        model.load_state_dict(sd, strict=False, assign=True)
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+        missing = [k for k, v in model.state_dict().items() if k not in expert_keys and v.is_meta]
+        if missing:
+            raise StoreMismatchError(f"{store.non_expert_path} lacks {len(missing)} weights, "
+                                     f"e.g. {', '.join(missing[:3])}; reconvert")
+        for ml in layers:   # expert parameters never get memory: the cache pool serves them
+            for t in ml.tensors:
+                setattr(ml.experts, t.name, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                         requires_grad=False))
+        _rebuild_meta_buffers(model, torch.device(device))
+        model.eval()
+
+        auto = 0
+        if lookahead == "auto":
+            auto, lookahead = 4, 1
+        elif not isinstance(lookahead, int) or lookahead < 1:
+            raise ValueError(f"moe.lookahead must be a positive integer or auto, got {lookahead!r}")
+        total = sum(ml.num_experts for ml in layers)
+        slots = cache_slots if cache_slots else max(1, round(cache_fraction * total))
+        policy = make_policy(eviction, len(layers), future)
+        depth = queue_depth or max(4, 2 * max(ml.top_k for ml in layers) * max(lookahead, auto, 1))
+        cache = ExpertCache(store, min(slots, total), policy, device=device, io_workers=io_workers,
+                            queue_depth=depth, verify=verify)
+        if prefetch == "none":
+            pred = None
+        elif prefetch == "gate":
+            pred = SpeculativeGate(layers, lookahead, prefetch_extra)
+        elif prefetch == "predictor":
+            if predictor_path is None:
+                raise ValueError("moe.prefetch=predictor needs moe.predictor=FILE "
+                                 "(train one with `lazytrain moe train-predictor`)")
+            pred = TrainedPredictor(PredictorHeads.load(predictor_path), layers, lookahead, prefetch_extra)
+        elif prefetch == "oracle":
+            if future is None:
+                raise ValueError("prefetch=oracle needs the recorded future routing (benchmark only)")
+            pred = Oracle(future, lookahead)
+        else:
+            raise ValueError(f"unknown moe.prefetch {prefetch!r}; valid: none, gate, predictor")
+        return StreamedMoE(model, layers, store, cache, pred, auto_lookahead=auto if pred else 0)
+    except BaseException:
+        store.close()
+        raise
+
+
+__all__ = ["StreamedMoE", "load_streamed", "register_experts_implementation", "EXPERTS_IMPL",
+           "NotMoeModelError"]

@@ -1,0 +1,221 @@
+"""The expert store: every expert's tensors packed into one 4096-aligned record on disk.
+
+Layout of a store directory::
+
+    index.json              format, version, per-layer files, tensor offsets inside a record, crc32s
+    experts-L000.bin ...    one file per MoE layer; expert e at offset e * record_bytes
+    non_expert.safetensors  every other weight, under the in-memory (transformers 5) names
+    config.json             the HF config; tokenizer files copied alongside when the source had them
+
+One record holds all tensors of one expert (e.g. gate_up [2I, H] then down [H, I]), each starting on
+a 4096-byte boundary, so one O_DIRECT read moves one expert into one cache slot (the
+mixtral-offloading idea), and the slot's bytes are views of the model's own fused layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..storage.aligned_io import ALIGN_BYTES, DirectFile, round_up
+from .arch import ExpertTensorSpec, MoeLayer
+
+FORMAT = "lazytrain-expert-store"
+VERSION = 1
+INDEX = "index.json"
+NON_EXPERT = "non_expert.safetensors"
+
+
+class StoreError(ValueError):
+    """A store that is missing, unreadable or malformed; the message says what to do."""
+
+
+class StoreMismatchError(StoreError):
+    """The store does not match the model (shapes, expert count, dtype) or a checksum failed."""
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """Where one MoE layer's experts live on disk."""
+
+    block_index: int
+    experts_name: str
+    num_experts: int
+    top_k: int
+    file: str
+    record_bytes: int                       # bytes per expert record, a multiple of ALIGN_BYTES
+    tensors: tuple[ExpertTensorSpec, ...]
+    offsets: tuple[int, ...]                # byte offset of each tensor inside a record
+    crc32: tuple[int, ...]                  # one per expert, over the whole record (padding included)
+
+    def to_json(self) -> dict:
+        return {"block_index": self.block_index, "experts_name": self.experts_name,
+                "num_experts": self.num_experts, "top_k": self.top_k, "file": self.file,
+                "record_bytes": self.record_bytes,
+                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "offset": o}
+                            for t, o in zip(self.tensors, self.offsets)],
+                "crc32": list(self.crc32)}
+
+    @staticmethod
+    def from_json(d: dict) -> "LayerRecord":
+        ts = tuple(ExpertTensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in d["tensors"])
+        return LayerRecord(int(d["block_index"]), d["experts_name"], int(d["num_experts"]),
+                           int(d["top_k"]), d["file"], int(d["record_bytes"]), ts,
+                           tuple(int(t["offset"]) for t in d["tensors"]), tuple(int(c) for c in d["crc32"]))
+
+
+def record_layout(tensors: tuple[ExpertTensorSpec, ...]) -> tuple[tuple[int, ...], int]:
+    """Offsets of each tensor in a record (each 4096-aligned) and the record size."""
+    offsets, pos = [], 0
+    for t in tensors:
+        offsets.append(pos)
+        pos = round_up(pos + t.nbytes, ALIGN_BYTES)
+    return tuple(offsets), max(pos, ALIGN_BYTES)
+
+
+def pack_expert(tensors: dict[str, torch.Tensor], specs: tuple[ExpertTensorSpec, ...],
+                offsets: tuple[int, ...], record_bytes: int) -> bytes:
+    buf = bytearray(record_bytes)
+    for spec, off in zip(specs, offsets):
+        t = tensors[spec.name].detach().to("cpu").contiguous()
+        if tuple(t.shape) != spec.shape or str(t.dtype).split(".")[-1] != spec.dtype:
+            raise StoreMismatchError(f"expert tensor {spec.name}: got {tuple(t.shape)} {t.dtype}, "
+                                     f"expected {spec.shape} {spec.dtype}")
+        raw = t.view(torch.uint8).reshape(-1).numpy().tobytes()
+        buf[off:off + len(raw)] = raw
+    return bytes(buf)
+
+
+class StoreWriter:
+    """Writes a store layer by layer; `close()` writes index.json last (a store without one is
+    incomplete and refused)."""
+
+    def __init__(self, out_dir: str | os.PathLike, hf_config: dict) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / INDEX).unlink(missing_ok=True)
+        self.hf_config = hf_config
+        self.layers: list[LayerRecord] = []
+
+    def write_layer(self, layer: MoeLayer, expert_tensors) -> LayerRecord:
+        """`expert_tensors(e) -> {name: tensor}` gives expert e's per-expert slices."""
+        offsets, record_bytes = record_layout(layer.tensors)
+        fname = f"experts-L{layer.index:03d}.bin"
+        crcs = []
+        with open(self.dir / fname, "wb") as f:
+            for e in range(layer.num_experts):
+                rec = pack_expert(expert_tensors(e), layer.tensors, offsets, record_bytes)
+                crcs.append(zlib.crc32(rec))
+                f.write(rec)
+            f.flush()
+            os.fsync(f.fileno())
+        lr = LayerRecord(layer.block_index, layer.experts_name, layer.num_experts, layer.top_k, fname,
+                         record_bytes, layer.tensors, offsets, tuple(crcs))
+        self.layers.append(lr)
+        return lr
+
+    def write_non_expert(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                  str(self.dir / NON_EXPERT))
+
+    def close(self) -> Path:
+        (self.dir / "config.json").write_text(json.dumps(self.hf_config, indent=2, sort_keys=True))
+        index = {"format": FORMAT, "version": VERSION, "align_bytes": ALIGN_BYTES,
+                 "model_type": self.hf_config.get("model_type"),
+                 "layers": [lr.to_json() for lr in self.layers]}
+        tmp = self.dir / (INDEX + ".tmp")
+        tmp.write_text(json.dumps(index, indent=1))
+        tmp.replace(self.dir / INDEX)
+        return self.dir
+
+
+class ExpertStore:
+    """A store opened for reading: O_DIRECT per-layer files, one record read per expert load."""
+
+    def __init__(self, path: str | os.PathLike, direct: bool = True) -> None:
+        self.dir = Path(path).expanduser()
+        if not self.dir.exists():
+            raise StoreError(f"expert store {self.dir} does not exist; create one with "
+                             f"`lazytrain moe convert model.path=HF_DIR out={self.dir}`")
+        idx = self.dir / INDEX
+        if not idx.is_file():
+            raise StoreError(f"{self.dir} is not an expert store (no {INDEX}; an interrupted convert?); "
+                             "rerun `lazytrain moe convert`")
+        try:
+            index = json.loads(idx.read_text())
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{idx}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise StoreError(f"{idx}: format {index.get('format')!r} v{index.get('version')} is not "
+                             f"{FORMAT} v{VERSION}; reconvert the model")
+        self.layers = [LayerRecord.from_json(d) for d in index["layers"]]
+        self.model_type = index.get("model_type")
+        self.hf_config = json.loads((self.dir / "config.json").read_text())
+        self._files: list[DirectFile] = []
+        for lr in self.layers:
+            p = self.dir / lr.file
+            want = lr.record_bytes * lr.num_experts
+            if not p.is_file() or p.stat().st_size != want:
+                got = p.stat().st_size if p.is_file() else "missing"
+                raise StoreMismatchError(f"{p}: size {got}, index says {want} bytes; reconvert")
+            self._files.append(DirectFile(p, "r", direct=direct))
+        self.direct = all(f.direct for f in self._files)
+        self.io_mode = self._files[0].reason if self._files else "no files"
+        self.record_bytes = max((lr.record_bytes for lr in self.layers), default=ALIGN_BYTES)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def non_expert_path(self) -> Path:
+        return self.dir / NON_EXPERT
+
+    def check_model(self, layers: list[MoeLayer]) -> None:
+        """Refuse a store that does not match the model, listing every difference."""
+        diffs: list[str] = []
+        if len(layers) != len(self.layers):
+            diffs.append(f"MoE layers: store {len(self.layers)}, model {len(layers)}")
+        for ml, lr in zip(layers, self.layers):
+            where = f"layer {ml.index}"
+            if ml.num_experts != lr.num_experts:
+                diffs.append(f"{where} experts: store {lr.num_experts}, model {ml.num_experts}")
+            st = {t.name: t for t in lr.tensors}
+            for t in ml.tensors:
+                s = st.get(t.name)
+                if s is None:
+                    diffs.append(f"{where} {t.name}: missing in store")
+                elif s.shape != t.shape:
+                    diffs.append(f"{where} {t.name} shape: store {list(s.shape)}, model {list(t.shape)}")
+                elif s.dtype != t.dtype:
+                    diffs.append(f"{where} {t.name} dtype: store {s.dtype}, model {t.dtype}")
+            if len(diffs) > 6:
+                break
+        if diffs:
+            raise StoreMismatchError(f"expert store {self.dir} does not match the model: "
+                                     + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else ""))
+
+    def read_into(self, layer: int, expert: int, buf: torch.Tensor) -> int:
+        """Read one expert record into `buf` (uint8, >= record_bytes, 4096-aligned); returns bytes."""
+        lr = self.layers[layer]
+        return self._files[layer].read_into(buf[:lr.record_bytes], expert * lr.record_bytes)
+
+    def verify(self, layer: int, expert: int, buf: torch.Tensor) -> None:
+        lr = self.layers[layer]
+        crc = zlib.crc32(memoryview(buf[:lr.record_bytes].numpy()))
+        if crc != lr.crc32[expert]:
+            raise StoreMismatchError(
+                f"checksum mismatch: layer {layer} expert {expert} in {self.dir / lr.file} "
+                f"(crc32 {crc:08x}, index {lr.crc32[expert]:08x}); the store is corrupt, reconvert")
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files = []
