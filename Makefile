@@ -28,9 +28,12 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu
 
-# Peers for the benchmarks (bitsandbytes, torchao, DeepSpeed + its build deps).
+# Peers for the benchmarks (bitsandbytes, torchao, DeepSpeed) and DeepSpeed's NVMe op dependency.
 bench-deps: $(STAMP)
-	$(BIN)/pip install -q '.[bench]'
+	$(BIN)/pip install -q -e '.[bench]'
+	command -v apt-get >/dev/null && { dpkg -s libaio-dev >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq libaio-dev); } || \
+	  echo "install libaio-dev (Debian/Ubuntu) for DeepSpeed NVMe offload"
 
 clean:
 	rm -rf $(VENV) outputs multirun

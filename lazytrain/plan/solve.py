@@ -51,8 +51,11 @@ def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pin
                       mip_gap=options.mip_gap, **kw)
 
 
-def pins_for(method: str, num_blocks: int) -> Pins | None:
+def pins_for(method: str, num_blocks: int, job: JobSpec | None = None) -> Pins | None:
     if method == "milp":
+        if job is not None and job.mode == "full" and job.optimizer_state_bits == 8:
+            # the fused 8-bit AdamW updates in place in host memory: its states stay on the host
+            return Pins(optimizer_tier=("host",) * (num_blocks + 2))
         return None
     name = method.removeprefix("heuristic:")
     return heuristic_pins(name, num_blocks)
@@ -74,7 +77,7 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
         if hit is not None:
             return hit
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers))
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job))
     if r.status == "timeout" and method == "milp":
         r = _fallback(costs, hw, options, model.num_layers, r)
     if r.status in ("infeasible", "timeout"):
@@ -220,7 +223,7 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
                      method: str = "milp") -> int | None:
     """Smallest device memory any plan (of this method) needs; None if host/NVMe cannot hold it."""
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers), minimize="device_peak")
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job), minimize="device_peak")
     if r.status == "timeout":
         return TIMED_OUT
     if r.status == "infeasible" or r.assignment is None:

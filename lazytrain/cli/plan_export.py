@@ -1,0 +1,104 @@
+"""`lazytrain plan export-deepspeed PLAN.json --out ds_config.json`: the plan as a DeepSpeed ZeRO-3
+config, with the plan decisions DeepSpeed cannot express printed. Imports no torch.
+
+    lazytrain plan export-deepspeed outputs/run/plan.json --out ds_config.json
+    lazytrain plan export-deepspeed plan.json --out ds.json --nvme-dir /mnt/nvme/ds \
+        --set zero_optimization.sub_group_size=100000000
+    deepspeed --num_gpus 8 your_train.py --deepspeed_config ds.json   # or: lazytrain train engine=deepspeed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..integrations.ds_config import ds_config_from_plan
+from ..plan.plan import Plan
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    """`a.b.c=VALUE` (VALUE parsed as JSON when it is JSON, else kept as a string) -> nested dict."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY.PATH=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r} conflicts with an earlier --set")
+        node[leaf] = value
+    return out
+
+
+def _compact(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lazytrain plan export-deepspeed",
+                                description="Write a DeepSpeed ZeRO-3 config that expresses a lazytrain plan.")
+    p.add_argument("plan", help="plan.json written by `lazytrain plan` or `lazytrain train`")
+    p.add_argument("--out", required=True, help="where to write the DeepSpeed config (JSON)")
+    p.add_argument("--nvme-dir", default=None, help="nvme_path for NVMe-tier offload")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a config entry, e.g. zero_optimization.stage3_max_live_parameters=1e9")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    path = Path(args.plan)
+    try:
+        plan = Plan.from_json(path.read_text())
+    except FileNotFoundError:
+        print(f"export-deepspeed: plan file {path} not found", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"export-deepspeed: {path} is not a lazytrain plan ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    try:
+        cfg, dropped = ds_config_from_plan(plan, overrides=_parse_set(args.sets), nvme_dir=args.nvme_dir)
+    except ValueError as e:
+        print(f"export-deepspeed: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+        tmp.replace(out)
+    except OSError as e:
+        print(f"export-deepspeed: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    z = cfg["zero_optimization"]
+    print(f"wrote {out}: ZeRO-3, params -> {z.get('offload_param', {}).get('device', 'none')}, "
+          f"optimizer -> {z['offload_optimizer']['device']}, "
+          f"recompute blocks {_compact(cfg['lazytrain']['recompute_blocks'])}")
+    if dropped:
+        print(f"{len(dropped)} plan decision(s) DeepSpeed cannot express:")
+        for line in dropped:
+            print(f"  - {line}")
+    else:
+        print("every plan decision is expressed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""`lazytrain train [hydra overrides]`: the training job as a Hydra app.
+
+    lazytrain train model=demo-llama data=demo job.mode=full job.max_steps=200
+    lazytrain train --multirun optim.lr=1e-4,3e-4        # sweeps; outputs under multirun/
+
+A single run is checked first (config, plan, data, tokenizer, nvme_dir) by composing the same config
+without Hydra's run machinery, so bad input prints one line and exits 2 with nothing written; then
+`@hydra.main` runs the job with its run dir as the default output_dir.
+"""
+
+from __future__ import annotations
+
+import sys
+
+HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion",
+                           "-sc", "--resolve", "-p", "--package")
+MULTIRUN_FLAGS = ("--multirun", "-m")
+
+
+def _normalise(argv: list[str]) -> list[str]:
+    """`model.path=DIR` on a model config without a `path` key: add it (`++`) rather than fail;
+    `output_dir=DIR` for a single run: Hydra's own files (.hydra/, train.log) go there too."""
+    out = []
+    for a in argv:
+        if a.startswith("model.path="):
+            a = "++" + a
+        out.append(a)
+    given = [a.split("=", 1)[1] for a in out if a.startswith("output_dir=")]
+    if given and not any(a.startswith("hydra.run.dir=") for a in out):
+        out.append(f"hydra.run.dir={given[-1]}")
+    return out
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    """The config overrides in argv (Hydra's own flags and hydra.* settings left out)."""
+    return [a for a in argv if not a.startswith("-") and "=" in a
+            and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+
+
+def _error(msg: str) -> int:
+    print(f"lazytrain train: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _normalise(list(sys.argv[1:] if argv is None else argv))
+    from ..cli.config import config_dir, load_config
+    from ..recipes.train import USER_ERRORS, preflight
+
+    if "hardware=measured" in argv and not (config_dir() / "hardware" / "measured.yaml").is_file():
+        return _error("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
+                      "model=...` first (it writes configs/hardware/measured.yaml)")
+    pre = None
+    no_run = any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv)
+    multirun = any(a in MULTIRUN_FLAGS for a in argv)
+    if not no_run and not multirun:
+        try:
+            cfg = load_config(_overrides(argv), config_name="train")
+            pre = preflight(cfg)
+        except USER_ERRORS as e:
+            return _error(str(e))
+        except Exception as e:  # Hydra config errors arrive as various types; keep them to one line
+            if type(e).__module__.startswith(("hydra", "omegaconf")):
+                return _error(str(e).splitlines()[0])
+            raise
+    return _hydra_main(argv, str(config_dir()), pre)
+
+
+def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    from ..recipes.train import USER_ERRORS, run
+    from ..storage.aligned_io import DiskIOError
+    try:
+        from ..runtime import DeviceBudgetExceeded
+    except ImportError:  # a build without the executor: nothing raises it
+        class DeviceBudgetExceeded(Exception):
+            pass
+
+    status = {"rc": 0}
+
+    @hydra.main(config_path=cfg_dir, config_name="train", version_base=None)
+    def _task(cfg: DictConfig) -> float | None:
+        out = cfg.output_dir or HydraConfig.get().runtime.output_dir
+        try:
+            s = run(cfg, out, pre=pre)
+        except USER_ERRORS as e:
+            status["rc"] = _error(str(e))
+            return None
+        except DiskIOError as e:  # names the file and the operation; checkpoints are atomic
+            _error(f"disk error: {e}")
+            status["rc"] = 1
+            return None
+        except DeviceBudgetExceeded as e:  # the executor's accountant: more than the planned budget
+            _error(str(e).splitlines()[0])
+            status["rc"] = 1
+            return None
+        return s.get("last_loss")  # a sweeper's objective
+
+    saved = sys.argv
+    sys.argv = ["lazytrain train", *argv]
+    try:
+        _task()
+    finally:
+        sys.argv = saved
+    return status["rc"]

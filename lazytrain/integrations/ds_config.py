@@ -1,0 +1,180 @@
+"""Plan -> DeepSpeed ZeRO-3 config: the plan expressed as closely as DeepSpeed can, plus the list of
+plan decisions DeepSpeed cannot express. Pure (no torch, no deepspeed import), so
+`lazytrain plan export-deepspeed` runs anywhere.
+
+What maps:
+- `param_tier` (majority by parameter count) -> `zero_optimization.offload_param.device`
+  (device: no offload; host: cpu; nvme: nvme). DeepSpeed has one device for all parameters, so
+  layers whose tier differs from the majority are reported as dropped.
+- `optimizer_tier` (majority) -> `zero_optimization.offload_optimizer.device` (cpu | nvme).
+  `grad_tier` nvme has no DeepSpeed equivalent (offloaded gradients stay in host memory).
+- `recompute` of decoder blocks -> `lazytrain.recompute_blocks`, applied by DeepSpeedTrainer as
+  per-block Hugging Face activation checkpointing (DeepSpeed's own `activation_checkpointing` section
+  only configures `deepspeed.checkpointing.checkpoint`, which HF layers do not call). Multi-layer
+  segments become per-layer checkpoints (one kept input per layer instead of one per segment);
+  recompute of embed/head and activations offloaded to host/NVMe are dropped.
+- job: micro-batch size, gradient accumulation, compute dtype (bf16 / fp16 / fp32).
+
+The extra top-level `lazytrain` key is ignored by DeepSpeed (checked by a test), so the exported file
+is a valid DeepSpeed config as is.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections import Counter
+from typing import Any, Mapping
+
+from ..plan.plan import Plan
+
+_TIER_TO_DS = {"device": "none", "host": "cpu", "nvme": "nvme"}
+
+# Settings measured to work on this project's CPU machines (../shared/MACHINE.md): with NVMe param
+# offload ZeRO-3 asserts in its swap buffers at step 1 unless these hold.
+NVME_BUFFER_COUNT = 32
+NVME_MAX_REUSE_DISTANCE = 0
+
+
+def default_nvme_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "lazytrain_ds_nvme")
+
+
+def _layer_param_counts(plan: Plan) -> dict[str, int]:
+    """Parameters per plan layer from the model config; empty if the config cannot be described."""
+    try:
+        from ..spec import ModelSpec
+        spec = ModelSpec.from_hf_config(dict(plan.model_config), name=plan.model_name)
+    except Exception:  # a hand-made plan with a partial config: fall back to layer counts
+        return {}
+    return {layer.name: int(layer.param_count) for layer in spec.layers}
+
+
+def largest_param_numel(model_config: Mapping[str, Any]) -> int:
+    """Element count of the largest single parameter tensor (embedding, a linear, fused experts)."""
+    from ..spec import ModelSpec
+    spec = ModelSpec.from_hf_config(dict(model_config))
+    best = spec.vocab_size * spec.hidden_size
+    for layer in spec.layers:
+        for lin in layer.linears:
+            best = max(best, lin.in_features * lin.out_features * max(1, lin.count))
+    return best
+
+
+def _majority(plan: Plan, attr: str, weights: Mapping[str, int]) -> str:
+    votes: Counter[str] = Counter()
+    for d in plan.layers:
+        votes[getattr(d, attr)] += weights.get(d.name, 1)
+    # Ties go to the slower tier: a config that fits is better than a faster one that does not.
+    order = {"nvme": 0, "host": 1, "device": 2}
+    return max(votes, key=lambda t: (votes[t], -order.get(t, 3)))
+
+
+def _ranges(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 6 else ", ".join(names[:5]) + f", ... ({len(names)} layers)"
+
+
+def _deep_merge(base: dict, over: Mapping[str, Any]) -> dict:
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
+            _deep_merge(base[k], v)
+        else:
+            base[k] = copy.deepcopy(v)
+    return base
+
+
+def ds_config_from_plan(plan: Plan, overrides: Mapping[str, Any] | None = None, *,
+                        nvme_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Return (DeepSpeed config dict, plan decisions DeepSpeed cannot express).
+
+    `overrides` is deep-merged last (e.g. `{"zero_optimization": {"offload_param": {"device":
+    "nvme"}}}`); `nvme_dir` is where NVMe-tier tensors go (default: $TMPDIR/lazytrain_ds_nvme).
+    """
+    if not plan.fits:
+        raise ValueError(f"plan status is {plan.status!r}: nothing to export "
+                         f"({'; '.join(plan.explanation) or 'the job does not fit'})")
+    weights = _layer_param_counts(plan)
+    dropped: list[str] = []
+    job, hw = plan.job, plan.hardware
+    nvme_path = nvme_dir or default_nvme_dir()
+    pin = hw.device_type == "cuda"  # pinned host memory only means something with a CUDA device
+
+    param_tier = _majority(plan, "param_tier", weights)
+    opt_tier = _majority(plan, "optimizer_tier", weights)
+    for attr, chosen in (("param_tier", param_tier), ("optimizer_tier", opt_tier)):
+        odd = [d for d in plan.layers if getattr(d, attr) != chosen]
+        for tier in sorted({getattr(d, attr) for d in odd}):
+            names = [d.name for d in odd if getattr(d, attr) == tier]
+            dropped.append(f"{attr}={tier} for {_ranges(names)}: DeepSpeed puts all layers on one "
+                           f"tier, used {chosen}")
+    nvme_grads = [d.name for d in plan.layers if d.grad_tier == "nvme"]
+    if nvme_grads:
+        dropped.append(f"grad_tier=nvme for {_ranges(nvme_grads)}: DeepSpeed keeps offloaded "
+                       f"gradients in host memory")
+
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "overlap_comm": hw.device_type == "cuda",   # one CPU process: nothing to overlap with
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 50_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_param_persistence_threshold": 100_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        "sub_group_size": 1_000_000_000,
+    }
+    if param_tier != "device":
+        off_p: dict[str, Any] = {"device": _TIER_TO_DS[param_tier], "pin_memory": pin}
+        if param_tier == "nvme":
+            off_p.update(nvme_path=nvme_path, buffer_count=NVME_BUFFER_COUNT,
+                         buffer_size=_nvme_buffer_size(plan))
+            zero["stage3_max_reuse_distance"] = NVME_MAX_REUSE_DISTANCE
+        zero["offload_param"] = off_p
+    off_o: dict[str, Any] = {"device": _TIER_TO_DS[opt_tier], "pin_memory": pin}
+    if opt_tier == "nvme":
+        off_o.update(nvme_path=nvme_path, buffer_count=4, fast_init=False)
+    zero["offload_optimizer"] = off_o
+
+    # Activation checkpointing: per decoder block.
+    blocks = [d for d in plan.layers if d.kind == "block"]
+    recompute_blocks = sorted(d.index - blocks[0].index for d in blocks if d.recompute) if blocks else []
+    other = [d.name for d in plan.layers if d.recompute and d.kind != "block"]
+    if other:
+        dropped.append(f"recompute of {_ranges(other)}: Hugging Face checkpoints decoder blocks only")
+    for first, last in plan.segments():
+        if last > first:
+            dropped.append(f"segment {plan.layers[first].name}..{plan.layers[last].name} recomputed "
+                           f"per layer (keeps {last - first + 1} inputs instead of 1)")
+    offl = [d for d in plan.layers if d.activation_tier in ("host", "nvme")]
+    for tier in ("host", "nvme"):
+        names = [d.name for d in offl if d.activation_tier == tier]
+        if names:
+            dropped.append(f"activation_tier={tier} for {_ranges(names)}: DeepSpeed offloads "
+                           f"activation checkpoints only with model-parallel partition_activations; "
+                           f"kept in memory")
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": job.batch_size,
+        "gradient_accumulation_steps": job.grad_accum,
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000_000,     # the recipe logs; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+        "lazytrain": {"recompute_blocks": recompute_blocks, "plan_hash": plan.input_hash},
+    }
+    if job.compute_dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif job.compute_dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if job.optimizer_state_bits == 8:
+        dropped.append("optimizer_state_bits=8: DeepSpeed's CPU/NVMe offload runs fp32 Adam states")
+    if overrides:
+        _deep_merge(cfg, overrides)
+    return cfg, dropped
+
+
+def _nvme_buffer_size(plan: Plan) -> int:
+    try:
+        return int(largest_param_numel(plan.model_config))
+    except Exception:
+        return 100_000_000   # DeepSpeed's default; works for hidden*vocab up to 1e8

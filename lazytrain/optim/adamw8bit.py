@@ -1,0 +1,353 @@
+"""AdamW with blockwise 8-bit states, fp32 master weights for bf16 params and folded-in clipping.
+
+Scheme: Dettmers et al. 2022 ("8-bit Optimizers via Block-wise Quantization", bitsandbytes): m and
+v quantised per block of ``block_size`` elements by their absmax onto non-linear 8-bit code maps
+(signed for m, unsigned for v), the update computed from the dequantised states and the new states
+requantised with the new block absmax; tensors below ``min_8bit_numel`` keep fp32 states.
+Deviations from bitsandbytes (details in qmap.py):
+  * the code maps are base-2 "exponent maps" (same shape of precision as bitsandbytes' base-10
+    dynamic map, 32/64 codes in the top binade for m/v) so quantising is integer work on float bits
+    instead of a binary search; worst-case error 2**-7 / 2**-8 of absmax vs 0.0070 / 0.0035;
+  * v never rounds to 0 (zero-point exclusion, Li et al. 2023), avoiding m/eps blow-ups;
+  * default block 4096 (LazyTrain's setting; bitsandbytes' blockwise optimizers use 256): the
+    absmax costs 2 x 4 / 4096 bytes per parameter, total state 2.002 bytes/param;
+  * bf16 params get an fp32 master copy held here (bitsandbytes updates bf16 params in place);
+  * gradient clipping is folded into the fused pass as a scale on the gradient (the gradient is
+    never rewritten) and non-finite global norms skip the step and are counted;
+  * no stochastic rounding, no percentile clipping, no paged states.
+
+Without ``max_grad_norm`` no norm is computed and non-finite gradients propagate, as in
+``torch.optim.AdamW``; ``max_grad_norm=math.inf`` checks finiteness without clipping.
+
+Entry points: ``step()`` (one norm pass if ``max_grad_norm`` + one fused pass), and for the
+layer-streaming executor ``grad_sq_sum(params)`` per layer as its gradients land,
+``clip_scale(total_sq)`` once, then ``step_params(params, clip_scale=...)`` per layer.
+Kernels: C++ (csrc/adam8bit.cpp, AVX-512 when the CPU has it, built on first use) for CPU tensors,
+a bit-identical pure-torch fallback (kernel_torch.py), which also serves CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import defaultdict
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+
+from lazytrain.optim import kernel_cpp, kernel_torch, qmap
+from lazytrain.optim.kernel_torch import HYPER_FIELDS
+
+STATE_FORMAT = "lazytrain-adamw8bit-v1"
+_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to the nearest float32 (both kernels then use the same constant)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with blockwise 8-bit m and v.
+
+    Args:
+        params: parameters or param-group dicts (fp32 or bf16; bf16 ones get an fp32 master).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; per group.
+        max_grad_norm: clip the global L2 norm of all gradients to this value (scale folded into the
+            update pass); a non-finite norm skips the step and increments ``skipped_steps``. Pass
+            ``math.inf`` to get the skip-on-non-finite check without clipping.
+        block_size: elements per absmax block.
+        min_8bit_numel: tensors with fewer elements keep fp32 m and v.
+        backend: "auto" (C++ kernel on CPU when it builds, else pure torch), "cpp" or "torch".
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        max_grad_norm: float | None = None,
+        block_size: int = 4096,
+        min_8bit_numel: int = 4096,
+        backend: str = "auto",
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamW8bit: betas must be in [0, 1), got {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"AdamW8bit: eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"AdamW8bit: weight_decay must be >= 0, got {weight_decay}")
+        if max_grad_norm is not None and not max_grad_norm > 0.0:
+            raise ValueError(f"AdamW8bit: max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if not (isinstance(block_size, int) and block_size >= 16):
+            raise ValueError(f"AdamW8bit: block_size must be an int >= 16, got {block_size!r}")
+        if backend not in ("auto", "cpp", "torch"):
+            raise ValueError(f"AdamW8bit: backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.block_size = block_size
+        self.min_8bit_numel = min_8bit_numel
+        self.backend = backend
+        self.skipped_steps = 0
+        self._tables: dict[torch.device, kernel_torch.Tables] = {}
+        self._owner: dict[int, tuple[torch.Tensor, int]] = {}
+
+    # ------------------------------------------------------------------ kernels
+    def _cpp(self, device: torch.device) -> Any | None:
+        """The C++ module when it should be used for tensors on ``device``."""
+        if self.backend == "torch" or device.type != "cpu":
+            return None
+        mod = kernel_cpp.load()
+        if mod is None and self.backend == "cpp":
+            raise RuntimeError(f"AdamW8bit(backend='cpp'): {kernel_cpp.unavailable_reason()}")
+        return mod
+
+    def _tables_on(self, device: torch.device) -> kernel_torch.Tables:
+        if device not in self._tables:
+            self._tables[device] = kernel_torch.Tables.on(device)
+        return self._tables[device]
+
+    @property
+    def kernel_backend(self) -> str:
+        """"cpp" or "torch": what CPU tensors are updated with (builds the extension if needed)."""
+        return "cpp" if self._cpp(torch.device("cpu")) is not None else "torch"
+
+    # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def grad_sq_sum(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """fp32 0-d tensor: sum of squared gradients of ``params`` (params without grad ignored)."""
+        grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        mod = self._cpp(grads[0].device)
+        if mod is not None and all(g.dtype in _SUPPORTED_PARAM_DTYPES for g in grads):
+            return mod.grad_sq_sum([g.contiguous() for g in grads])
+        return kernel_torch.grad_sq_sum(grads)
+
+    def clip_scale(self, total_sq: torch.Tensor | float) -> float | None:
+        """Clip coefficient ``min(1, max_grad_norm / (norm + 1e-6))`` for a global squared norm.
+
+        Returns None (and counts the skip in ``skipped_steps``) when the norm is not finite; 1.0
+        when ``max_grad_norm`` is None. Computed in fp32 like ``clip_grad_norm_``.
+        """
+        sq = torch.as_tensor(total_sq, dtype=torch.float32).detach().cpu()
+        norm = torch.sqrt(sq)
+        if not bool(torch.isfinite(norm)):
+            self.skipped_steps += 1
+            return None
+        if self.max_grad_norm is None:
+            return 1.0
+        coef = torch.tensor(self.max_grad_norm, dtype=torch.float32) / (norm + 1e-6)
+        return float(torch.clamp(coef, max=1.0))
+
+    # ------------------------------------------------------------------ update
+    def _group_of(self, p: torch.Tensor) -> dict:
+        # id -> (param, group index); the stored param guards against a recycled id.
+        entry = self._owner.get(id(p))
+        if entry is None or entry[0] is not p:
+            self._owner = {id(q): (q, i) for i, g in enumerate(self.param_groups) for q in g["params"]}
+            entry = self._owner.get(id(p))
+            if entry is None:
+                raise ValueError(
+                    f"AdamW8bit.step_params: a parameter of shape {tuple(p.shape)} does not belong "
+                    "to this optimizer"
+                )
+        return self.param_groups[entry[1]]
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if state:
+            return state
+        if not p.is_contiguous():
+            raise ValueError(
+                f"AdamW8bit: parameter of shape {tuple(p.shape)} is not contiguous; the fused "
+                "kernel updates flat storage (call .contiguous() on the module's parameters)"
+            )
+        numel = p.numel()
+        state["step"] = 0
+        if p.dtype != torch.float32:
+            state["master"] = p.detach().reshape(-1).float().clone()
+        if numel >= self.min_8bit_numel:
+            nblocks = (numel + self.block_size - 1) // self.block_size
+            state["qm"] = torch.zeros(numel, dtype=torch.uint8, device=p.device)  # code 0 is 0.0
+            state["qv"] = torch.zeros(numel, dtype=torch.uint8, device=p.device)
+            state["absmax_m"] = torch.zeros(nblocks, dtype=torch.float32, device=p.device)
+            state["absmax_v"] = torch.zeros(nblocks, dtype=torch.float32, device=p.device)
+        else:
+            state["exp_avg"] = torch.zeros(numel, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(numel, dtype=torch.float32, device=p.device)
+        return state
+
+    @staticmethod
+    def _hyper(group: dict, step: int) -> list[float]:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        values = dict(
+            b1=beta1,
+            omb1=1.0 - beta1,
+            b2=beta2,
+            omb2=1.0 - beta2,
+            eps=group["eps"],
+            decay=1.0 - lr * group["weight_decay"],
+            step_size=lr / (1.0 - beta1**step),
+            inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
+        )
+        return [_f32(values[k]) for k in HYPER_FIELDS]
+
+    @torch.no_grad()
+    def step_params(self, params: Iterable[torch.Tensor], clip_scale: float | None = 1.0) -> None:
+        """Update only ``params`` (all must belong to this optimizer; those without grad are skipped).
+
+        ``clip_scale`` multiplies every gradient inside the fused pass (from :meth:`clip_scale`);
+        None means the step is skipped (non-finite norm) and nothing is touched.
+        """
+        if clip_scale is None:
+            return
+        clip = float(clip_scale)
+        if not math.isfinite(clip):
+            raise ValueError(f"AdamW8bit.step_params: clip_scale must be finite, got {clip_scale}")
+        work: dict[tuple[torch.device, bool], list] = defaultdict(list)
+        for p in params:
+            group = self._group_of(p)
+            if p.grad is None:
+                continue
+            state = self._init_state(p)
+            if p.grad.shape != p.shape:
+                raise ValueError(f"AdamW8bit: grad shape {tuple(p.grad.shape)} != param {tuple(p.shape)}")
+            state["step"] += 1
+            grad = p.grad.reshape(-1)
+            if grad.dtype not in _SUPPORTED_PARAM_DTYPES:
+                grad = grad.float()
+            work[(p.device, "qm" in state)].append((p, grad.contiguous(), state, group))
+        for (device, is8bit), items in work.items():
+            self._update(device, is8bit, items, clip)
+
+    def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> None:
+        weights = [s["master"] if "master" in s else p.view(-1) for p, _, s, _ in items]
+        bf16_out = [p.view(-1) if "master" in s else torch.empty(0) for p, _, s, _ in items]
+        grads = [g for _, g, _, _ in items]
+        hyper = [self._hyper(group, s["step"]) for _, _, s, group in items]
+        mod = self._cpp(device)
+        if mod is not None:
+            h = torch.tensor(hyper, dtype=torch.float32).reshape(len(items), len(HYPER_FIELDS))
+            if is8bit:
+                t = self._tables_on(device)
+                mod.adam8bit_step(
+                    weights, bf16_out, grads,
+                    [s["qm"] for _, _, s, _ in items], [s["qv"] for _, _, s, _ in items],
+                    [s["absmax_m"] for _, _, s, _ in items], [s["absmax_v"] for _, _, s, _ in items],
+                    h, clip, self.block_size, t.code_s, t.code_u,
+                    torch.stack([t.m.shift, t.m.half, t.m.bias, t.v.shift, t.v.half, t.v.bias]),
+                    t.m.exp_lo, t.v.exp_lo, True,
+                )  # fmt: skip
+            else:
+                mod.adam32_step(
+                    weights, bf16_out, grads,
+                    [s["exp_avg"] for _, _, s, _ in items], [s["exp_avg_sq"] for _, _, s, _ in items],
+                    h, clip,
+                )  # fmt: skip
+            return
+        tables = self._tables_on(device)
+        for w, out, g, (_, _, s, _), hv in zip(weights, bf16_out, grads, items, hyper):
+            h = dict(zip(HYPER_FIELDS, hv))
+            if is8bit:
+                kernel_torch.adam8bit_update_(
+                    w, g, s["qm"], s["qv"], s["absmax_m"], s["absmax_v"], h, clip, self.block_size, tables
+                )
+            else:
+                kernel_torch.adam32_update_(w, g, s["exp_avg"], s["exp_avg_sq"], h, clip)
+            if out.numel():
+                out.copy_(w)
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - torch.optim.Optimizer API
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p.dtype not in _SUPPORTED_PARAM_DTYPES:
+                raise TypeError(
+                    f"AdamW8bit: parameter of dtype {p.dtype} is not supported; use float32 or "
+                    "bfloat16 parameters (bf16 ones get an fp32 master copy)"
+                )
+        self._owner = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer API
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        scale: float | None = 1.0
+        if self.max_grad_norm is not None:
+            scale = self.clip_scale(self.grad_sq_sum(params))
+        self.step_params(params, clip_scale=scale)
+        return loss
+
+    # ------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        """Bytes held in optimizer state (m, v, absmax, fp32 states), master weights excluded."""
+        keys = ("qm", "qv", "absmax_m", "absmax_v", "exp_avg", "exp_avg_sq")
+        return sum(
+            t.numel() * t.element_size() for s in self.state.values() for k, t in s.items() if k in keys
+        )
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master weights held for bf16 parameters."""
+        return sum(s["master"].numel() * 4 for s in self.state.values() if "master" in s)
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102 - torch.optim.Optimizer API
+        sd = super().state_dict()
+        sd["lazytrain"] = dict(
+            format=STATE_FORMAT,
+            skipped_steps=self.skipped_steps,
+            block_size=self.block_size,
+            min_8bit_numel=self.min_8bit_numel,
+        )
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore states bit-exactly (torch's default would cast uint8 codes and masters to the
+        param dtype, hence this override)."""
+        extra = state_dict.get("lazytrain")
+        if not extra or extra.get("format") != STATE_FORMAT:
+            raise ValueError("AdamW8bit.load_state_dict: not an AdamW8bit state dict (missing 'lazytrain' format tag)")
+        if extra["block_size"] != self.block_size:
+            raise ValueError(
+                f"AdamW8bit.load_state_dict: saved block_size {extra['block_size']} != {self.block_size}; "
+                "construct the optimizer with the saved block_size"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("AdamW8bit.load_state_dict: parameter groups differ in number or size from the saved ones")
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in saved_groups),
+                chain.from_iterable(g["params"] for g in self.param_groups),
+            )
+        )
+        state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+        for pid, saved in state_dict["state"].items():
+            p = id_map[pid]
+            restored = {}
+            for k, v in saved.items():
+                restored[k] = v.detach().clone().to(p.device) if torch.is_tensor(v) else v
+            for k in ("qm", "qv", "exp_avg", "exp_avg_sq", "master"):
+                if k in restored and restored[k].numel() != p.numel():
+                    raise ValueError(
+                        f"AdamW8bit.load_state_dict: state {k!r} has {restored[k].numel()} elements, "
+                        f"parameter has {p.numel()}"
+                    )
+            state[p] = restored
+        groups = [dict(saved, params=cur["params"]) for saved, cur in zip(saved_groups, self.param_groups)]
+        self.__setstate__({"state": state, "param_groups": groups})
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self._owner = {}

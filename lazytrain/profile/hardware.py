@@ -1,0 +1,76 @@
+"""Turn measurements into a hardware profile YAML that `hardware=measured` loads.
+
+The YAML holds exactly the HardwareSpec keys (so the planner reads it like any hardware config);
+capacities not measured (device/host memory) come from the base hardware config the user named, or
+from the machine (host RAM, free space under the NVMe dir). The raw figures (per-layer times,
+pinned/pageable, O_DIRECT or not) go to a JSON file next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..spec import HardwareSpec
+from .layers import LayerTime, achieved_tflops
+from .links import CopyRates, DiskRates
+
+
+def host_memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
+
+
+def measured_spec(base: HardwareSpec, copies: CopyRates, disk: DiskRates | None,
+                  peak_tflops: float, layers: list[LayerTime] | None) -> HardwareSpec:
+    """`base` with every measured field replaced."""
+    h2d = copies.h2d_pinned_gbps or copies.h2d_pageable_gbps
+    d2h = copies.d2h_pinned_gbps or copies.d2h_pageable_gbps
+    upd: dict[str, Any] = dict(name="measured", h2d_gbps=round(h2d, 3), d2h_gbps=round(d2h, 3),
+                               device_tflops=round(peak_tflops, 4))
+    if copies.device == "cpu":
+        # the CPU is the device: its copy rate is also what a host optimizer step streams
+        upd["host_memory_gbps"] = round(copies.h2d_pageable_gbps, 3)
+    if disk is not None:
+        upd.update(nvme_read_gbps=round(disk.read_gbps, 3), nvme_write_gbps=round(disk.write_gbps, 3),
+                   nvme_capacity_gib=round(disk.free_bytes / 2**30, 1))
+    mem = host_memory_gib()
+    if mem:
+        upd["host_memory_gib"] = round(mem, 1)
+    if layers and peak_tflops > 0:
+        upd["efficiency"] = round(min(1.0, achieved_tflops(layers) / peak_tflops), 4)
+    return replace(base, **upd)
+
+
+def write_profile(spec: HardwareSpec, yaml_path: Path, details: dict[str, Any]) -> Path:
+    """Write `spec` as YAML (with a provenance comment) and details as JSON next to it."""
+    import yaml
+
+    yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"# Measured by `lazytrain profile` on {stamp}; details in {yaml_path.stem}.profile.json.\n"
+              f"# Re-run `lazytrain profile` to refresh; plan with `hardware=measured`.\n")
+    tmp = yaml_path.with_suffix(".tmp")
+    tmp.write_text(header + yaml.safe_dump(asdict(spec), sort_keys=False))
+    tmp.replace(yaml_path)
+    det = yaml_path.with_name(f"{yaml_path.stem}.profile.json")
+    det.write_text(json.dumps(details, indent=1, default=str))
+    return yaml_path
+
+
+def details_dict(copies: CopyRates, disk: DiskRates | None, peak_tflops: float,
+                 layers: list[LayerTime] | None, model_name: str, batch_size: int,
+                 seq_len: int, compute_dtype: str) -> dict[str, Any]:
+    return {
+        "copies": asdict(copies), "disk": disk and asdict(disk), "matmul_peak_tflops": peak_tflops,
+        "model": model_name, "batch_size": batch_size, "seq_len": seq_len,
+        "compute_dtype": compute_dtype,
+        "layers": [asdict(lt) for lt in layers or []],
+        "achieved_block_tflops": achieved_tflops(layers) if layers else None,
+    }

@@ -1,0 +1,127 @@
+"""Measured link rates: host<->device copies (pinned and pageable) and NVMe reads/writes (O_DIRECT).
+
+Every figure is the median of `repeats` timed transfers after one warm-up, in GB/s (decimal).
+On a CPU-only machine the "device" is the CPU itself, so host->device is a copy between two host
+buffers (what the executor pays to place a layer on the device tier); pinned memory needs CUDA and
+is reported as None there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..spec.units import GB, MiB
+from ..storage.aligned_io import DirectFile, aligned_empty, drop_page_cache, round_up
+
+
+@dataclass(frozen=True)
+class CopyRates:
+    device: str
+    h2d_pinned_gbps: float | None
+    d2h_pinned_gbps: float | None
+    h2d_pageable_gbps: float
+    d2h_pageable_gbps: float
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class DiskRates:
+    path: str
+    direct: bool              # O_DIRECT accepted by the filesystem (else buffered + fdatasync)
+    reason: str
+    read_gbps: float          # cold reads (page cache dropped for the file first)
+    write_gbps: float         # including fsync
+    size_bytes: int
+    free_bytes: int           # free space in the directory's filesystem
+
+
+def _median_gbps(fn, nbytes: int, repeats: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / GB
+
+
+def measure_copies(size_bytes: int = 256 * MiB, repeats: int = 5,
+                   device: torch.device | None = None) -> CopyRates:
+    """Host<->device copy rates; pinned ones only where CUDA can pin host memory."""
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    n = size_bytes
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    pageable = torch.empty(n, dtype=torch.uint8)
+    pageable.fill_(1)  # touch the pages so first-touch faults are not timed
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    h2d = _median_gbps(lambda: dev.copy_(pageable), n, repeats, sync)
+    d2h = _median_gbps(lambda: pageable.copy_(dev), n, repeats, sync)
+    h2d_p = d2h_p = None
+    if device.type == "cuda":
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        h2d_p = _median_gbps(lambda: dev.copy_(pinned, non_blocking=True), n, repeats, sync)
+        d2h_p = _median_gbps(lambda: pinned.copy_(dev, non_blocking=True), n, repeats, sync)
+    return CopyRates(device=str(device), h2d_pinned_gbps=h2d_p, d2h_pinned_gbps=d2h_p,
+                     h2d_pageable_gbps=h2d, d2h_pageable_gbps=d2h, size_bytes=n)
+
+
+def measure_disk(directory: str | Path, size_bytes: int = 256 * MiB, repeats: int = 3,
+                 chunk_bytes: int = 16 * MiB) -> DiskRates:
+    """Sequential write (+fsync) and cold read of one file in `directory`, O_DIRECT where allowed."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f".lazytrain-profile-{os.getpid()}.bin"
+    chunk = round_up(chunk_bytes)
+    n = max(chunk, size_bytes // chunk * chunk)
+    buf = aligned_empty(chunk)
+    buf.fill_(7)
+    try:
+        f = DirectFile(path, "w", size_bytes=n)
+        direct, reason = f.direct, f.reason
+
+        def write() -> None:
+            for off in range(0, n, chunk):
+                f.write_from(buf, off)
+            f.fsync()
+
+        def read() -> None:
+            for off in range(0, n, chunk):
+                f.read_into(buf, off)
+
+        w_times, r_times = [], []
+        write()  # warm-up: allocate the file's blocks
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            write()
+            w_times.append(time.perf_counter() - t0)
+            drop_page_cache(path)  # a no-op for O_DIRECT; keeps buffered reads honest
+            t0 = time.perf_counter()
+            read()
+            r_times.append(time.perf_counter() - t0)
+        f.close()
+    finally:
+        path.unlink(missing_ok=True)
+    return DiskRates(path=str(d), direct=direct, reason=reason,
+                     read_gbps=n / statistics.median(r_times) / GB,
+                     write_gbps=n / statistics.median(w_times) / GB, size_bytes=n,
+                     free_bytes=shutil.disk_usage(d).free)
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
+                          repeats: int = 5) -> float:
+    """Dense square matmul throughput: the compute peak the planner's efficiency is relative to."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    flops = 2 * n ** 3
+    rate = _median_gbps(lambda: a @ b, flops, repeats, sync)  # "GB/s" of flops = GFLOP/s
+    return rate / 1e3

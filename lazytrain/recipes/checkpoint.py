@@ -1,0 +1,154 @@
+"""Atomic training checkpoints: tensors as safetensors, everything else as JSON.
+
+Layout under `<output_dir>/checkpoints/`:
+    step_000050/engine.safetensors   engine state (master weights / adapters + optimizer state)
+    step_000050/rng.safetensors      torch CPU (and CUDA) generator states
+    step_000050/state.json           step, data position, python RNG, scheduler inputs, metadata
+    latest                           text file naming the newest complete checkpoint dir
+
+A checkpoint is written into a temp dir, every file fsync'ed, the dir renamed into place and the
+parent fsync'ed; only then is `latest` replaced (temp file, fsync, rename). A crash at any point
+leaves the previous checkpoint and `latest` intact. Engines with their own format (DeepSpeed)
+write into `step_*/engine/` inside the same temp dir, so they get the same atomicity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..storage.aligned_io import DiskIOError
+
+LATEST = "latest"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temp file, fsync and rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_path(path.parent)
+    except OSError as e:
+        raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, json) capturing torch's and Python's global generators."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    version, state, gauss = random.getstate()
+    return tensors, {"python": [version, list(state), gauss]}
+
+
+def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    version, state, gauss = js["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+def _contiguous(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses views/shared storage; clone what is not a standalone contiguous tensor.
+    return {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
+
+
+def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
+                    engine_tensors: Mapping[str, torch.Tensor] | None = None,
+                    engine_writer: Callable[[Path], None] | None = None,
+                    keep_last: int = 2) -> Path:
+    """Write checkpoint `step` atomically; returns its directory.
+
+    `engine_tensors` (a flat tensor dict) is saved as engine.safetensors; or `engine_writer(dir)`
+    writes an engine's own files into `dir` (DeepSpeed). Older checkpoints beyond `keep_last` are
+    removed after the new one is in place.
+    """
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".step_{step:06d}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        if engine_tensors is not None:
+            save_file(_contiguous(engine_tensors), str(tmp / "engine.safetensors"))
+        if engine_writer is not None:
+            (tmp / "engine").mkdir()
+            engine_writer(tmp / "engine")
+        rng_t, rng_js = rng_state()
+        save_file(_contiguous(rng_t), str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "rng": rng_js}, indent=1))
+        fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_path(ckpt_root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, DiskIOError):
+            raise
+        raise DiskIOError(e.errno, f"write checkpoint {tmp} ({e.strerror}); the last checkpoint "
+                                   f"is intact") from e
+    atomic_write_text(ckpt_root / LATEST, final.name + "\n")
+    _prune(ckpt_root, keep_last)
+    return final
+
+
+def _prune(ckpt_root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    dirs = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in dirs[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest complete checkpoint dir, or None."""
+    ptr = ckpt_root / LATEST
+    if not ptr.is_file():
+        return None
+    d = ckpt_root / ptr.read_text().strip()
+    return d if (d / "state.json").is_file() else None
+
+
+def read_state(ckpt_dir: Path) -> dict[str, Any]:
+    """The checkpoint's state.json, without touching any RNG."""
+    return json.loads((ckpt_dir / "state.json").read_text())
+
+
+def load_checkpoint(ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """(state json, engine tensors or None); restores the global RNG states."""
+    state = json.loads((ckpt_dir / "state.json").read_text())
+    set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), state["rng"])
+    eng = ckpt_dir / "engine.safetensors"
+    return state, (load_file(str(eng)) if eng.is_file() else None)

@@ -1,0 +1,259 @@
+"""The engines the train recipe can drive, behind one small interface.
+
+    train_step(micro_batches) -> StepStats     one optimizer step over [(input_ids, labels), ...]
+    set_lr(lr); state_dict() / load_state_dict(sd)  (flat tensor dicts, safetensors-able)
+    model (the HF model, synced on `sync_model()`); close()
+
+- `lazytrain`: lazytrain.runtime.StreamingExecutor, which runs the Plan (streaming, offload,
+  recompute, memory accountant, trace).
+- `deepspeed`: lazytrain.integrations.deepspeed.DeepSpeedTrainer with a config derived from the Plan.
+- `torch`: plain in-memory PyTorch autograd + torch.optim.AdamW — the reference the others are
+  measured against (it ignores the Plan; on CPU its `device_peak_bytes` is the process's peak RSS).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import torch
+
+ENGINES = ("lazytrain", "deepspeed", "torch")
+
+
+class EngineUnavailable(RuntimeError):
+    """The requested engine cannot run here; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    grad_norm: float | None
+    skipped: bool
+    step_time_s: float
+    device_peak_bytes: int
+    tokens: int
+    predicted_step_time_s: float | None = None
+    predicted_device_peak_bytes: int | None = None
+
+
+class Engine(Protocol):
+    model: torch.nn.Module
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepStats: ...
+    def set_lr(self, lr: float) -> None: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None: ...
+    def sync_model(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def _stats(res: Any) -> StepStats:
+    """Normalise an engine's step result (StepResult or similar) to StepStats."""
+    g = getattr(res, "grad_norm", None)
+    return StepStats(
+        loss=float(res.loss), grad_norm=None if g is None else float(g),
+        skipped=bool(getattr(res, "skipped", False)), step_time_s=float(res.step_time_s),
+        device_peak_bytes=int(getattr(res, "device_peak_bytes", 0) or 0),
+        tokens=int(res.tokens),
+        predicted_step_time_s=getattr(res, "predicted_step_time_s", None),
+        predicted_device_peak_bytes=getattr(res, "predicted_device_peak_bytes", None),
+    )
+
+
+# ---- engine=torch: plain PyTorch ---------------------------------------------------------------
+
+class TorchEngine:
+    """Plain autograd over the whole model in memory, AdamW, global-norm clipping."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
+                 lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 max_grad_norm: float | None, optimizer: str = "adamw") -> None:
+        if optimizer != "adamw":
+            raise EngineUnavailable(f"engine=torch runs 32-bit AdamW only (job.optimizer_state_bits=32); "
+                                    f"use engine=lazytrain for 8-bit states")
+        self.model = model.to(device)
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.max_grad_norm = max_grad_norm
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, foreach=False)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        total, tokens = 0.0, 0
+        autocast = self.compute_dtype != torch.float32
+        for x, y in micro_batches:
+            x, y = x.to(self.device), y.to(self.device)
+            with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+                loss = self.model(input_ids=x, labels=y).loss
+            (loss / len(micro_batches)).backward()
+            total += float(loss.detach())
+            tokens += x.numel()
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.params, self.max_grad_norm if self.max_grad_norm else float("inf"))
+        gn = float(norm)
+        skipped = not math.isfinite(gn)
+        if not skipped:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return StepStats(loss=total / len(micro_batches), grad_norm=gn, skipped=skipped,
+                         step_time_s=time.perf_counter() - t0, device_peak_bytes=peak,
+                         tokens=tokens)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        # Keyed by parameter name (not index) so a checkpoint survives reordering.
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.named:
+            out[f"param.{n}"] = p.detach()
+            for k, v in self.opt.state.get(p, {}).items():
+                out[f"optim.{n}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(sd[f"param.{n}"])
+                st = {k.split(".")[-1]: v.to(p.device) for k, v in sd.items()
+                      if k.startswith(f"optim.{n}.") and k.count(".") == n.count(".") + 2}
+                if st:
+                    self.opt.state[p] = st
+
+    def sync_model(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ---- engine=lazytrain: the streaming executor --------------------------------------------------
+
+class StreamingEngine:
+    """Adapter over lazytrain.runtime.StreamingExecutor (keeps its StepResult fields)."""
+
+    def __init__(self, model: torch.nn.Module, plan, *, device: torch.device | None,
+                 nvme_dir: Path | None, optimizer: str, lr: float, betas: tuple[float, float],
+                 eps: float, weight_decay: float, max_grad_norm: float | None,
+                 trace_path: Path | None) -> None:
+        try:
+            from ..runtime import StreamingExecutor
+        except ImportError as e:
+            raise EngineUnavailable(f"the streaming executor is not available ({e}); "
+                                    f"use engine=torch or engine=deepspeed") from None
+        self.ex = StreamingExecutor(
+            model, plan, device=device, nvme_dir=None if nvme_dir is None else str(nvme_dir),
+            optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm, trace_path=None if trace_path is None else str(trace_path))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.ex.model
+
+    def train_step(self, micro_batches):
+        return _stats(self.ex.train_step(list(micro_batches)))
+
+    def set_lr(self, lr: float) -> None:
+        # The executor's per-layer updates of the previous step may still be queued and read the lr
+        # when they run; let them finish first so each step uses its own lr (exact resume).
+        self.ex.wait()
+        self.ex.set_lr(lr)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.ex.state_dict()
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.ex.load_state_dict(sd)
+
+    def sync_model(self) -> None:
+        self.ex.sync_model()
+
+    def close(self) -> None:
+        self.ex.close()
+
+
+# ---- engine=deepspeed ----------------------------------------------------------------------------
+
+class DeepSpeedEngine:
+    """Adapter over lazytrain.integrations.deepspeed.DeepSpeedTrainer (its own checkpoint format)."""
+
+    own_checkpoint_format = True
+
+    def __init__(self, model: torch.nn.Module, plan, *, lr: float, betas: tuple[float, float],
+                 eps: float, weight_decay: float, max_grad_norm: float | None,
+                 nvme_dir: Path | None = None, overrides: dict | None = None) -> None:
+        try:
+            from ..integrations.deepspeed import (DeepSpeedTrainer, DeepSpeedUnavailable, check_available,
+                                                  ds_config_from_plan)
+        except ImportError as e:
+            raise EngineUnavailable(f"the DeepSpeed integration is not available ({e})") from None
+        msg = check_available()
+        if msg:
+            raise EngineUnavailable(msg)
+        cfg, self.dropped = ds_config_from_plan(
+            plan, overrides=overrides, nvme_dir=None if nvme_dir is None else str(nvme_dir / "deepspeed"))
+        try:
+            self.tr = DeepSpeedTrainer(model, ds_config=cfg, lr=lr, betas=betas, eps=eps,
+                                       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        except DeepSpeedUnavailable as e:
+            raise EngineUnavailable(str(e)) from None
+        self._model = model
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return getattr(self.tr, "model", self._model)
+
+    def train_step(self, micro_batches):
+        t0 = time.perf_counter()
+        res = self.tr.train_step(list(micro_batches))
+        if isinstance(res, (float, int)) or torch.is_tensor(res):
+            tokens = sum(int(x.numel()) for x, _ in micro_batches)
+            return StepStats(loss=float(res), grad_norm=None, skipped=False,
+                             step_time_s=time.perf_counter() - t0,
+                             device_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                             tokens=tokens)
+        return _stats(res)
+
+    def set_lr(self, lr: float) -> None:
+        self.tr.set_lr(lr)
+
+    def save_pretrained(self, d: Path) -> None:
+        """HF dir (full) / PEFT adapter dir (LoRA) gathered from ZeRO-3's partitions."""
+        self.tr.save_pretrained(str(d))
+
+    def save(self, d: Path, client_state: dict) -> None:
+        self.tr.save_checkpoint(str(d), client_state)
+
+    def load(self, d: Path) -> dict:
+        return self.tr.load_checkpoint(str(d))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("DeepSpeed checkpoints use DeepSpeedEngine.save")
+
+    def load_state_dict(self, sd) -> None:
+        raise NotImplementedError("DeepSpeed checkpoints use DeepSpeedEngine.load")
+
+    def sync_model(self) -> None:
+        pass
+
+    def close(self) -> None:
+        close = getattr(self.tr, "close", None)
+        if close:
+            close()

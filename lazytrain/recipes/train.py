@@ -1,0 +1,464 @@
+"""The training recipe: setup -> train -> save -> cleanup, in one readable file.
+
+    lazytrain train model=demo-llama data=demo job.mode=full job.max_steps=200
+
+`preflight(cfg)` does everything that can fail on bad input *before* any file is written (specs,
+plan, data files, tokenizer, sequence length); `run(cfg, output_dir)` then builds the model and the
+engine, trains, and writes plan.json, metrics.jsonl, trace.jsonl, TensorBoard events, checkpoints
+and the final model into output_dir. The config object stops here: everything below takes plain
+typed arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
+from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
+from ..plan.plan import Plan
+from ..spec import HardwareSpec, JobSpec, ModelSpec
+from ..spec.model import ModelConfigError
+from . import checkpoint as ckpt
+from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
+from .plan_io import PlanInfeasible, make_plan, plan_summary
+
+TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+USER_ERRORS = (ConfigError, DataError, ModelConfigError, EngineUnavailable, PlanInfeasible)
+
+
+class StorageError(ConfigError):
+    """storage.nvme_dir cannot hold what the plan puts on NVMe."""
+
+
+# ================================ setup ==========================================================
+
+def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
+    """(JobSpec, max_steps): `job.max_steps` is the recipe's, the rest is the planner's JobSpec."""
+    d = OmegaConf.to_container(cfg.job, resolve=True)
+    max_steps = int(d.pop("max_steps", 0) or 0)
+    if max_steps < 1:
+        raise ConfigError(f"job.max_steps must be >= 1, got {max_steps}")
+    try:
+        return JobSpec.from_dict(d), max_steps
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"job: {e}") from None
+
+
+@dataclass
+class Preflight:
+    model: ModelSpec
+    hardware: HardwareSpec
+    job: JobSpec
+    max_steps: int
+    plan: Plan
+    data_files: list[Path]
+    tokenizer_dir: Path
+    tokenizer: Any
+    dataset: PackedDataset
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
+    """Data files and tokenizer dir; builds the built-in corpus/tokenizer when asked."""
+    d = cfg.data
+    if d.get("builtin"):
+        if d.builtin != "pydoc-corpus":
+            raise ConfigError(f"unknown data.builtin {d.builtin!r}; valid: pydoc-corpus")
+        from ..data.corpus import build_corpus
+        from ..data.tokenizer import build_tokenizer
+
+        cache = Path(str(d.cache_dir)).expanduser()
+        train_txt, _ = build_corpus(cache / "corpus")
+        tok_dir = d.get("tokenizer") or build_tokenizer(
+            [train_txt], cache / f"tokenizer-{int(d.vocab_size)}", vocab_size=int(d.vocab_size))
+        files = [Path(str(f)) for f in (d.get("files") or [])] or [train_txt]
+        return files, Path(str(tok_dir)).expanduser()
+    files = [Path(str(f)).expanduser() for f in (d.get("files") or [])]
+    if not files:
+        raise DataError("no data given: set data.files=[FILE_OR_DIR,...] (text or JSONL) or data=demo")
+    for f in files:
+        if not f.exists():
+            raise DataError(f"data file {f} does not exist")
+    tok = d.get("tokenizer") or cfg.model.get("path")
+    if not tok:
+        raise DataError("no tokenizer: set data.tokenizer=DIR (a local Hugging Face tokenizer dir)")
+    tok_dir = Path(str(tok)).expanduser()
+    if not tok_dir.is_dir():
+        raise DataError(f"tokenizer dir {tok_dir} does not exist")
+    return files, tok_dir
+
+
+def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
+    """Raise StorageError (one line) unless `nvme_dir` exists, is writable and has room."""
+    if create:
+        nvme_dir.mkdir(parents=True, exist_ok=True)
+    if not nvme_dir.is_dir():
+        raise StorageError(f"storage.nvme_dir {nvme_dir} does not exist (create it or point it at an SSD)")
+    if not os.access(nvme_dir, os.W_OK | os.X_OK):
+        raise StorageError(f"storage.nvme_dir {nvme_dir} is not writable")
+    free = shutil.disk_usage(nvme_dir).free
+    if need_bytes > free:
+        raise StorageError(f"storage.nvme_dir {nvme_dir} has {free / 2**30:.1f} GiB free; the plan "
+                           f"puts {need_bytes / 2**30:.1f} GiB on NVMe")
+
+
+def plan_nvme_bytes(plan: Plan) -> int:
+    return int(plan.predicted.peak_bytes.get("nvme", 0) or 0)
+
+
+def preflight(cfg: DictConfig) -> Preflight:
+    """Every check that needs no model weights and writes nothing (except the solver cache)."""
+    if cfg.engine not in ENGINES:
+        raise ConfigError(f"unknown engine {cfg.engine!r}; valid: {', '.join(ENGINES)}")
+    mspec = model_spec(cfg)
+    if cfg.model.get("path"):
+        p = Path(str(cfg.model.path)).expanduser()
+        if not any(p.glob("*.safetensors")):
+            raise ConfigError(f"model.path {p} holds no *.safetensors weights")
+    hw = hardware_spec(cfg)
+    job, max_steps = job_spec_of(cfg)
+    if job.seq_len > mspec.max_position_embeddings:
+        raise ConfigError(f"job.seq_len={job.seq_len} is longer than the model allows "
+                          f"(max_position_embeddings={mspec.max_position_embeddings})")
+    files, tok_dir = prepare_data(cfg)
+    # Plan before tokenizing: a job that cannot fit is reported without waiting for the data.
+    plan = make_plan(mspec, hw, job, planner_options(cfg), cache_dir=str(cfg.planner.cache_dir),
+                     use_cache=bool(cfg.planner.cache))
+    if not plan.fits:
+        raise PlanInfeasible(plan)
+    tokenizer = load_tokenizer(tok_dir)
+    if len(tokenizer) > mspec.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{mspec.vocab_size}; use a matching tokenizer or model")
+    cache = cfg.data.get("cache_dir")
+    ds = build_dataset(files, tokenizer, job.seq_len, seed=int(cfg.seed), text_field=str(cfg.data.text_field),
+                       cache_dir=Path(str(cache)).expanduser() if cache else None)
+    nvme_dir = cfg.storage.get("nvme_dir")
+    if nvme_dir:
+        check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
+    elif plan_nvme_bytes(plan):
+        # default <output_dir>/nvme does not exist yet: check the filesystem it will be created on
+        where = Path(str(cfg.output_dir)).expanduser().resolve() if cfg.get("output_dir") else Path.cwd()
+        while not where.exists():
+            where = where.parent
+        try:
+            check_nvme_dir(where, plan_nvme_bytes(plan), create=False)
+        except StorageError as e:
+            raise StorageError(f"{e} (storage.nvme_dir defaults to <output_dir>/nvme; set "
+                               f"storage.nvme_dir=DIR on a larger disk)") from None
+    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds)
+
+
+def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: int) -> torch.nn.Module:
+    """The HF causal LM: from a local dir, else random init (seeded) from the config; LoRA-wrapped."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_path:
+        p = Path(model_path).expanduser()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the model in {p}: {str(e).splitlines()[0]}") from None
+    else:
+        hf = dict(mspec.hf_config)
+        config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if job.mode == "lora":
+        try:
+            model = apply_lora(model, job.lora_rank, job.lora_alpha, job.lora_targets)
+        except ValueError as e:  # e.g. targets the model does not have
+            raise ConfigError(f"job.lora_targets: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> torch.nn.Module:
+    try:
+        from ..models.lora import apply_lora as _apply
+    except ImportError:  # the models package's helper is the same PEFT call
+        from peft import LoraConfig, get_peft_model
+
+        def _apply(m, r, a, t):
+            return get_peft_model(m, LoraConfig(r=r, lora_alpha=a, target_modules=list(t),
+                                                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    return _apply(model, rank, alpha, targets)
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup over `warmup_steps`, then cosine to base_lr * min_lr_ratio at max_steps."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    span = max(1, max_steps - warmup_steps)
+    t = min(1.0, (step - warmup_steps) / span)
+    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: Path, nvme_dir: Path):
+    o = cfg.optim
+    common = dict(lr=float(o.lr), betas=tuple(float(b) for b in o.betas), eps=float(o.eps),
+                  weight_decay=float(o.weight_decay),
+                  max_grad_norm=None if o.max_grad_norm is None else float(o.max_grad_norm))
+    # one setting, planned and run alike: the job's optimizer-state precision picks the optimizer
+    optimizer = "adamw8bit" if pre.job.optimizer_state_bits == 8 else "adamw"
+    device = torch.device("cuda") if pre.hardware.device_type == "cuda" and torch.cuda.is_available() \
+        else torch.device("cpu")
+    if cfg.engine == "lazytrain":
+        return StreamingEngine(model, pre.plan, device=device, nvme_dir=nvme_dir, optimizer=optimizer,
+                               trace_path=out / "trace.jsonl", **common)
+    if cfg.engine == "deepspeed":
+        eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, **common)
+        for line in eng.dropped:
+            print(f"deepspeed: cannot follow the plan here: {line}")
+        return eng
+    return TorchEngine(model, device=device, compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
+                       optimizer=optimizer, **common)
+
+
+def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:
+    """A checkpoint continues only the same job: engine, mode, seed and data."""
+    want = {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
+            "dataset": {"sequences": len(ds), "seq_len": ds.seq_len}}
+    for k, v in want.items():
+        if k in state and state[k] != v:
+            raise ConfigError(f"cannot resume: the checkpoint was written with {k}={state[k]}, this run has "
+                              f"{k}={v}; use the same settings or a new output_dir")
+
+
+def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pre: Preflight,
+                 echo) -> tuple[int, int]:
+    """(start_step, data_position): 0, 0 for a fresh run; else restored from the latest checkpoint
+    (engine state and global RNG states loaded)."""
+    if not cfg.resume:
+        return 0, 0
+    last = ckpt.latest_checkpoint(ckpt_root)
+    if last is None:
+        echo(f"resume=true: no checkpoint in {ckpt_root}; starting at step 0")
+        return 0, 0
+    check_resumable(ckpt.read_state(last), cfg, ds, pre)
+    state, tensors = ckpt.load_checkpoint(last)
+    if isinstance(engine, DeepSpeedEngine):
+        engine.load(last / "engine")
+    else:
+        engine.load_state_dict(tensors)
+    echo(f"resumed from {last} (step {state['step']}, data position {state['data_position']})")
+    return int(state["step"]), int(state["data_position"])
+
+
+# ================================ train ==========================================================
+
+class MetricsLog:
+    """metrics.jsonl (every step) + TensorBoard scalars; on resume, later steps are dropped."""
+
+    def __init__(self, out: Path, start_step: int) -> None:
+        self.path = out / "metrics.jsonl"
+        if self.path.exists():
+            keep = []
+            for ln in self.path.read_text().splitlines():
+                try:
+                    if json.loads(ln)["step"] <= start_step:
+                        keep.append(ln)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    pass  # a line cut short by a crash
+            ckpt.atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
+        self.f = open(self.path, "a", encoding="utf-8")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=str(out / "tb"), purge_step=start_step + 1)
+        except ImportError:
+            pass
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "step_time_s"):
+                if rec.get(k) is not None:
+                    self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
+        echo=print) -> dict[str, Any]:
+    """Train as configured; returns the run summary (also written to output_dir/summary.json)."""
+    # ---- setup --------------------------------------------------------------------------------
+    pre = pre or preflight(cfg)
+    out = Path(output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
+    check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
+    echo(plan_summary(pre.plan))
+    (out / "plan.json").write_text(pre.plan.to_json())
+
+    seed = int(cfg.seed)
+    tokenizer, ds = pre.tokenizer, pre.dataset
+    model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
+    engine = build_engine(cfg, model, pre, out, nvme_dir)
+
+    ckpt_root = out / "checkpoints"
+    try:
+        start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo)
+    except BaseException:
+        engine.close()
+        raise
+
+    # ---- train --------------------------------------------------------------------------------
+    o, job, max_steps = cfg.optim, pre.job, pre.max_steps
+    stop_at = int(cfg.stop_at_step) if cfg.get("stop_at_step") else max_steps
+    save_every, log_every = int(cfg.save_every), max(1, int(cfg.log_every))
+    metrics = MetricsLog(out, start_step)
+    trace_f = open(out / "trace.jsonl", "a") if cfg.engine != "lazytrain" else None
+    bar = _progress(max_steps, start_step, bool(cfg.progress))
+    history: list[StepStats] = []
+    t_run = time.perf_counter()
+    step = start_step
+
+    def save(step_done: int) -> None:
+        state = {"data_position": position, "engine": str(cfg.engine), "plan_hash": pre.plan.input_hash,
+                 "max_steps": max_steps, "seed": seed, "mode": pre.job.mode,
+                 "dataset": {"sequences": len(ds), "seq_len": ds.seq_len}}
+        if isinstance(engine, DeepSpeedEngine):
+            ckpt.save_checkpoint(ckpt_root, step_done, state,
+                                 engine_writer=lambda d: engine.save(d, {"step": step_done}),
+                                 keep_last=int(cfg.keep_checkpoints))
+        else:
+            ckpt.save_checkpoint(ckpt_root, step_done, state, engine_tensors=engine.state_dict(),
+                                 keep_last=int(cfg.keep_checkpoints))
+
+    try:
+        while step < min(max_steps, stop_at):
+            lr = lr_at(step, float(o.lr), int(o.warmup_steps), max_steps, float(o.min_lr_ratio))
+            engine.set_lr(lr)
+            mbs, position = ds.step_batches(position, job.batch_size, job.grad_accum)
+            t0 = time.time()
+            st = engine.train_step([(b.input_ids, b.labels) for b in mbs])
+            step += 1
+            history.append(st)
+            tps = st.tokens / st.step_time_s if st.step_time_s > 0 else 0.0
+            rec = {"step": step, "loss": st.loss, "lr": lr, "grad_norm": st.grad_norm,
+                   "tokens_per_s": tps, "device_peak_bytes": st.device_peak_bytes,
+                   "step_time_s": st.step_time_s, "tokens": st.tokens, "skipped": st.skipped,
+                   "data_position": position,
+                   "predicted_step_time_s": st.predicted_step_time_s or pre.plan.predicted.step_time_s,
+                   "predicted_device_peak_bytes": st.predicted_device_peak_bytes
+                   or int(pre.plan.predicted.peak_bytes.get("device", 0))}
+            metrics.write(rec)
+            if trace_f is not None:  # engines without their own trace: one compute event per step
+                trace_f.write(json.dumps({"op": "compute", "name": "step", "step": step,
+                                          "start_s": t0, "end_s": t0 + st.step_time_s,
+                                          "bytes": 0, "tier": "device"}) + "\n")
+            bar.update(1)
+            if step % log_every == 0 or step == max_steps:
+                bar.set_postfix_str(f"loss {st.loss:.3f}  {tps:,.0f} tok/s  "
+                                    f"mem {_fmt_bytes(st.device_peak_bytes)}", refresh=False)
+            if (save_every and step % save_every == 0) or step in (max_steps, stop_at):
+                save(step)
+    except BaseException:
+        engine.close()
+        raise
+    finally:
+        bar.close()
+        metrics.close()
+        if trace_f is not None:
+            trace_f.close()
+
+    # ---- save ---------------------------------------------------------------------------------
+    final_dir = None
+    if step == max_steps and cfg.save_final_model:
+        engine.sync_model()
+        final_dir = out / "final"
+        save_final_model(engine, tokenizer, final_dir)
+
+    # ---- cleanup ------------------------------------------------------------------------------
+    engine.close()
+    summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run)
+    summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
+                    "engine": str(cfg.engine), "dataset_sequences": len(ds),
+                    "dataset_tokens": ds.num_tokens})
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    echo(format_summary(summary))
+    return summary
+
+
+# ================================ save / report ==================================================
+
+def save_final_model(engine, tokenizer, final_dir: Path) -> None:
+    """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename."""
+    tmp = final_dir.with_name(final_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(engine, DeepSpeedEngine):
+        engine.save_pretrained(tmp)
+    else:
+        engine.model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    ckpt.fsync_tree(tmp)
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    os.replace(tmp, final_dir)
+
+
+def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: int,
+              wall_s: float) -> dict[str, Any]:
+    if not history:
+        return {"steps": 0, "start_step": start_step, "end_step": end_step}
+    k = max(1, min(5, len(history) // 4))
+    times = sorted(h.step_time_s for h in history[1:] or history)  # step 1 includes warm-up
+    med_t = times[len(times) // 2]
+    return {
+        "steps": len(history), "start_step": start_step, "end_step": end_step, "wall_s": wall_s,
+        "first_loss": history[0].loss, "last_loss": history[-1].loss,
+        "first_loss_avg": sum(h.loss for h in history[:k]) / k,
+        "last_loss_avg": sum(h.loss for h in history[-k:]) / k,
+        "tokens_per_s": history[-1].tokens / med_t if med_t > 0 else 0.0,
+        "measured_step_time_s": med_t,
+        "predicted_step_time_s": history[-1].predicted_step_time_s or plan.predicted.step_time_s,
+        "measured_device_peak_bytes": max(h.device_peak_bytes for h in history),
+        "predicted_device_peak_bytes": history[-1].predicted_device_peak_bytes
+        or int(plan.predicted.peak_bytes.get("device", 0)),
+        "skipped_steps": sum(h.skipped for h in history),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    if not s.get("steps"):
+        return "no steps run"
+    return "\n".join([
+        f"trained steps {s['start_step'] + 1}..{s['end_step']} in {s['wall_s']:.1f} s  "
+        f"({s['tokens_per_s']:,.0f} tokens/s, median step {s['measured_step_time_s'] * 1e3:.0f} ms)",
+        f"loss: first {s['first_loss']:.3f} -> last {s['last_loss']:.3f}  "
+        f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})",
+        f"step time: predicted {s['predicted_step_time_s'] * 1e3:.0f} ms, measured "
+        f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "
+        f"{_fmt_bytes(s['predicted_device_peak_bytes'])}, measured {_fmt_bytes(s['measured_device_peak_bytes'])}",
+        f"outputs: {s.get('output_dir')}" + (f"  (final model: {s['final_dir']})" if s.get("final_dir") else ""),
+    ])

@@ -1,0 +1,298 @@
+"""Where a layer's saved-for-backward tensors live: kept on the device, copied to host, or written
+to NVMe files, via torch.autograd.graph.saved_tensors_hooks; fetched back ahead of need.
+
+Two kinds of saved tensor are never moved: views of the layer's streamed parameter buffer (saved
+as a placeholder and re-resolved against wherever the layer's parameters are when backward runs,
+because the buffer may be evicted and refetched in between) and tensors that stay resident anyway
+(LoRA adapters, the step's rotary embeddings / masks).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..storage.aligned_io import DirectFile, IOPool, aligned_empty, round_up
+from ..storage.flat import typed
+from .accountant import MemoryAccountant
+from .trace import Trace
+
+
+def _window(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(pad, span, 1-D view) of the storage window a tensor covers.
+
+    Offloaded tensors come back with their exact strides and alignment (mod 64 bytes): CPU
+    kernels pick vectorised or scalar loops from the layout, and e.g. SiLU's backward rounds
+    differently in the two, so a `.contiguous()` copy would change the math.
+    """
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    lo = t.storage_offset()
+    pad = lo % max(1, 64 // t.element_size())
+    return pad, span, t.as_strided((pad + span,), (1,), lo - pad)
+
+
+def _view(flat: torch.Tensor, rec: "_Rec") -> torch.Tensor:
+    return flat.as_strided(rec.size, rec.stride, flat.storage_offset() + rec.pad)
+
+
+@dataclass
+class _Rec:
+    tier: str
+    layer: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int                            # bytes moved: the storage window incl. pad
+    pad: int = 0                           # elements before the tensor's first one in the window
+    dev: torch.Tensor | None = None        # on the device (kept, or fetched back)
+    host: torch.Tensor | None = None       # host copy (host tier) / staging (nvme)
+    offset: int = 0                        # nvme file offset
+    write: Future | None = None
+    read: Future | None = None
+    event: object = None                   # CUDA event guarding `dev` or `host`
+    counted: int = 0                       # device bytes this record holds in the accountant
+
+
+@dataclass
+class _LayerActs:
+    recs: list[_Rec] = field(default_factory=list)
+    kept_storages: dict[int, tuple[int, str]] = field(default_factory=dict)  # ptr -> (bytes, kind)
+    file: DirectFile | None = None
+    file_bytes: int = 0
+
+
+class ActivationStore:
+    def __init__(self, device: torch.device, accountant: MemoryAccountant, trace: Trace,
+                 nvme_root: Path | None, pool: IOPool | None, layer_names: list[str]) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.acct = accountant
+        self.trace = trace
+        self.nvme_root = nvme_root
+        self.pool = pool
+        self.names = layer_names
+        self.layers: dict[int, _LayerActs] = {}
+        self.resident_ptrs: set[int] = set()
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._dedup: dict[tuple, _Rec] = {}
+        self._hold: list[torch.Tensor] = []
+
+    # ---- forward side -------------------------------------------------------------------
+    def hooks(self, layer: int, tier: str, param_buf: Callable[[int], torch.Tensor | None],
+              kind: str = "activations") -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks placing what `layer` saves on `tier` ("device" | "host" | "nvme")."""
+        la = self.layers.setdefault(layer, _LayerActs())
+        own = param_buf(layer)
+        own_ptr = own.untyped_storage().data_ptr() if own is not None else None
+
+        def pack(t: torch.Tensor):
+            sp = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
+            if own is not None and sp == own_ptr and t.dtype == own.dtype:
+                # A view of the streamed weights: remember where, not what.
+                off = (t.data_ptr() - own.data_ptr()) // t.element_size()
+                return ("param", layer, tuple(t.shape), tuple(t.stride()), off)
+            if sp in self.resident_ptrs or t.numel() == 0:
+                return ("keep", t)
+            if tier == "device":
+                if sp not in la.kept_storages:
+                    nb = t.untyped_storage().nbytes()
+                    la.kept_storages[sp] = (nb, kind)
+                    self.acct.alloc(nb, kind)
+                return ("keep", t.detach())
+            return ("rec", self._save(layer, tier, t))
+
+        def unpack(obj):
+            if obj[0] == "keep":
+                return obj[1]
+            if obj[0] == "param":
+                _, lay, size, stride, off = obj
+                buf = param_buf(lay)
+                return buf.as_strided(size, stride, buf.storage_offset() + off)
+            return self._materialize(obj[1])
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def save(self, layer: int, tier: str, t: torch.Tensor, kind: str = "boundary") -> _Rec:
+        """Explicitly keep one tensor (a recompute segment's input) on `tier`."""
+        self.layers.setdefault(layer, _LayerActs())
+        if tier == "device":
+            rec = _Rec("device", layer, tuple(t.shape), tuple(t.stride()), t.dtype, t.nbytes, dev=t.detach())
+            rec.counted = t.nbytes
+            self.acct.alloc(rec.counted, kind)
+            self.layers[layer].recs.append(rec)
+            return rec
+        return self._save(layer, tier, t)
+
+    def protected(self) -> set[int]:
+        """Storages that device-tier saves still reference (must not be freed early)."""
+        out: set[int] = set()
+        for la in self.layers.values():
+            out.update(la.kept_storages)
+            out.update(r.dev.untyped_storage().data_ptr() for r in la.recs
+                       if r.tier == "device" and r.dev is not None)
+        return out
+
+    def end_forward(self, layer: int) -> None:
+        """The layer's forward is done: originals of offloaded tensors may now be freed."""
+        self._dedup.clear()
+        self._hold.clear()
+
+    def _save(self, layer: int, tier: str, t: torch.Tensor) -> _Rec:
+        key = (layer, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        if key in self._dedup:
+            return self._dedup[key]
+        # Keep the original alive until the layer's forward ends so its address is not reused by
+        # another tensor that would then hit the dedup table (and, on CUDA, until the copy ran).
+        self._hold.append(t)
+        la = self.layers[layer]
+        pad, span, win = _window(t)
+        rec = _Rec(tier, layer, tuple(t.shape), tuple(t.stride()), t.dtype, win.nbytes, pad=pad)
+        name = self.names[layer]
+        if tier == "host":
+            start = self.trace.now()
+            host = torch.empty(pad + span, dtype=t.dtype, pin_memory=self.cuda)
+            if self.cuda:
+                self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.d2h_stream):
+                    host.copy_(win, non_blocking=True)
+                    rec.event = torch.cuda.Event()
+                    rec.event.record(self.d2h_stream)
+                t.record_stream(self.d2h_stream)
+            else:
+                host.copy_(win)
+            rec.host = host
+            self.trace.add("d2h", name, start, self.trace.now(), rec.nbytes, "host")
+        elif tier == "nvme":
+            if la.file is None:
+                if self.nvme_root is None or self.pool is None:
+                    raise ValueError("activation tier nvme needs nvme_dir")
+                la.file = DirectFile(self.nvme_root / f"act_{name}.bin", "w")
+            nb = round_up(max(rec.nbytes, 1))
+            staging = aligned_empty(nb, pin=self.cuda)
+            start = self.trace.now()
+            typed(staging, t.dtype, pad + span).copy_(win)  # synchronous d2h on CUDA: the write needs it
+            rec.offset = la.file_bytes
+            la.file_bytes += nb
+            f = la.file
+            trace = self.trace
+
+            def write() -> None:
+                s = trace.now()
+                f.write_from(staging, rec.offset)
+                trace.add("nvme_write", name, s, trace.now(), nb, "nvme")
+
+            rec.write = self.pool.submit(write)
+            self.trace.add("d2h", name, start, self.trace.now(), rec.nbytes, "nvme")
+        else:
+            raise ValueError(f"unknown activation tier {tier!r}")
+        la.recs.append(rec)
+        self._dedup[key] = rec
+        return rec
+
+    # ---- backward side ------------------------------------------------------------------
+    def prefetch(self, layer: int) -> None:
+        """Start bringing `layer`'s offloaded tensors back to the device (non-blocking)."""
+        la = self.layers.get(layer)
+        if la is None:
+            return
+        for rec in la.recs:
+            if rec.dev is not None or rec.read is not None:
+                continue
+            if rec.tier == "host":
+                self._fetch_host(rec)
+            elif rec.tier == "nvme":
+                self._fetch_nvme(rec)
+
+    def _fetch_host(self, rec: _Rec) -> None:
+        name = self.names[rec.layer]
+        start = self.trace.now()
+        flat = torch.empty(rec.host.numel(), dtype=rec.dtype, device=self.device)
+        rec.counted = flat.nbytes
+        self.acct.alloc(rec.counted, "activations_fetched")
+        if self.cuda:
+            if rec.event is not None:
+                self.h2d_stream.wait_event(rec.event)
+            # `flat` may reuse memory queued compute still reads: copy after what is queued now.
+            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.h2d_stream):
+                flat.copy_(rec.host, non_blocking=True)
+                rec.event = torch.cuda.Event()
+                rec.event.record(self.h2d_stream)
+        else:
+            flat.copy_(rec.host)
+        rec.dev = _view(flat, rec)
+        self.trace.add("h2d", name, start, self.trace.now(), rec.nbytes, "host")
+
+    def _fetch_nvme(self, rec: _Rec) -> None:
+        name = self.names[rec.layer]
+        la = self.layers[rec.layer]
+        nb = round_up(max(rec.nbytes, 1))
+        # On CPU the device *is* host memory: read straight into the buffer autograd will use.
+        buf = aligned_empty(nb, pin=self.cuda)
+        if not self.cuda:
+            rec.counted = nb
+            self.acct.alloc(nb, "activations_fetched")
+        write, f, trace = rec.write, la.file, self.trace
+
+        def read() -> torch.Tensor:
+            if write is not None:
+                write.result()
+            s = trace.now()
+            f.read_into(buf, rec.offset)
+            trace.add("nvme_read", name, s, trace.now(), nb, "nvme")
+            return buf
+
+        rec.host = None
+        rec.read = self.pool.submit(read)
+
+    def _materialize(self, rec: _Rec) -> torch.Tensor:
+        if rec.dev is None:
+            if rec.tier == "host":
+                self._fetch_host(rec)
+            elif rec.tier == "nvme":
+                if rec.read is None:
+                    self._fetch_nvme(rec)
+                buf = rec.read.result()
+                flat = typed(buf, rec.dtype, rec.nbytes // torch.empty((), dtype=rec.dtype).element_size())
+                if self.cuda:
+                    start = self.trace.now()
+                    dev = torch.empty(flat.numel(), dtype=rec.dtype, device=self.device)
+                    rec.counted = dev.nbytes
+                    self.acct.alloc(rec.counted, "activations_fetched")
+                    dev.copy_(flat)
+                    self.trace.add("h2d", self.names[rec.layer], start, self.trace.now(), rec.nbytes, "nvme")
+                    flat = dev
+                rec.dev = _view(flat, rec)
+        if self.cuda and rec.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(rec.event)
+            rec.event = None
+        return rec.dev
+
+    def load(self, rec: _Rec) -> torch.Tensor:
+        if rec.tier == "device":
+            return rec.dev
+        return self._materialize(rec)
+
+    def release(self, layer: int) -> None:
+        """The layer's backward is done: forget its saved tensors and uncount them."""
+        la = self.layers.pop(layer, None)
+        if la is None:
+            return
+        for rec in la.recs:
+            if rec.counted:
+                self.acct.free(rec.counted, "boundary" if rec.tier == "device" else "activations_fetched")
+            if rec.write is not None:
+                rec.write.result()  # surface write errors; the file is reused next micro-batch
+        for nb, kind in la.kept_storages.values():
+            self.acct.free(nb, kind)
+        if la.file is not None:
+            la.file.close()
+
+    def close(self) -> None:
+        for layer in list(self.layers):
+            self.release(layer)

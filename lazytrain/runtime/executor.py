@@ -1,0 +1,600 @@
+"""StreamingExecutor: runs a Plan on a Hugging Face causal LM, one layer at a time.
+
+Each layer (embed, block.i, head = final norm + lm_head + loss) is its own autograd unit: forward
+keeps only what the plan keeps (saved tensors on their tier, or just a recompute segment's input),
+backward calls torch.autograd.grad per layer with the incoming gradient, so a layer's weights,
+activations and gradients need to be on the device only around its own compute. Weights stream
+through `ParamStreamer`; activations through `ActivationStore`; fp32 gradients, master weights and
+AdamW states live on host/NVMe in `LayerTrainState` and are updated on an optimizer thread.
+The plan is never changed here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..models.adapter import DecoderParts, block_kwargs, find_parts, head_loss, run_block
+from ..plan.plan import Plan
+from ..storage.aligned_io import IOPool, aligned_empty
+from ..storage.flat import FlatLayout, typed
+from ..storage.tiers import HostStore, NvmeStore, check_nvme_dir
+from .accountant import MemoryAccountant
+from .activations import ActivationStore
+from .layer_state import LayerTrainState, clip_scale_for, total_norm
+from .state import executor_state_dict, load_executor_state_dict
+from .streamer import ParamStreamer, StreamedLayer, use_sequence
+from .trace import Trace
+
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float                      # mean over micro-batches
+    grad_norm: float                 # global L2 norm of the (unclipped) gradients
+    skipped: bool                    # non-finite gradients with clipping on: no update
+    step_time_s: float
+    device_peak_bytes: int           # the accountant's peak (CUDA: max of it and the allocator's)
+    tokens: int
+    predicted_step_time_s: float
+    predicted_device_peak_bytes: int
+    accounted_peak_bytes: int = 0    # the accountant's figure alone
+
+
+class PlanMismatchError(ValueError):
+    """The plan does not describe this model (layer count/names) or is not runnable."""
+
+
+def _check_plan(plan: Plan, names: list[str]) -> None:
+    if not plan.fits:
+        raise PlanMismatchError(f"plan status is {plan.status!r}: it does not fit; "
+                                + " ".join(plan.explanation))
+    got = [d.name for d in plan.layers]
+    if got != names:
+        raise PlanMismatchError(f"plan layers {got[:3]}..{got[-2:]} ({len(got)}) do not match the model's "
+                                f"{names[:3]}..{names[-2:]} ({len(names)})")
+    # LoRA: base weights get no gradients and no optimizer state; the adapters' live on the
+    # device, which the planner records as grad/optimizer tier "device".
+    state_tiers = ("host", "nvme", "device") if plan.job.mode == "lora" else ("host", "nvme")
+    for d in plan.layers:
+        if d.param_tier not in TIERS or d.grad_tier not in state_tiers \
+                or d.optimizer_tier not in state_tiers:
+            raise PlanMismatchError(f"{d.name}: bad tiers param={d.param_tier} grad={d.grad_tier} "
+                                    f"optimizer={d.optimizer_tier}")
+        first = (not d.recompute) or d.segment_start == d.index
+        if first and d.activation_tier not in TIERS:
+            raise PlanMismatchError(f"{d.name}: activation_tier must be device/host/nvme, got {d.activation_tier!r}")
+        if d.recompute and not (0 <= d.segment_start <= d.index):
+            raise PlanMismatchError(f"{d.name}: segment_start {d.segment_start} out of range")
+    for a, b in plan.segments():
+        if plan.layers[a].segment_start != a:
+            raise PlanMismatchError(f"recompute segment {a}..{b} does not start at its segment_start")
+
+
+class StreamingExecutor:
+    """Runs training steps exactly as `plan` says. See the module docstring."""
+
+    def __init__(self, model: nn.Module, plan: Plan, *, device: str | torch.device | None = None,
+                 nvme_dir: str | Path | None = None, optimizer: str = "adamw", lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = None,
+                 trace_path: str | Path | None = None, fused: bool = True) -> None:
+        if optimizer not in ("adamw", "adamw8bit"):
+            raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
+        self.model = model
+        self.plan = plan
+        self.device = torch.device(device) if device is not None else \
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.cuda = self.device.type == "cuda"
+        self.parts: DecoderParts = find_parts(model)
+        if self.parts.tied:
+            raise NotImplementedError("tied input/output embeddings are not supported by the streaming "
+                                      "executor yet (untie them: config.tie_word_embeddings=false)")
+        names = self.parts.layer_names()
+        _check_plan(plan, names)
+        self.names = names
+        self.n_layers = len(names)
+        self.decisions = list(plan.layers)
+        self.lora = hasattr(model, "peft_config")
+        self.hp: dict[str, Any] = {"lr": float(lr), "betas": tuple(betas), "eps": float(eps),
+                                   "weight_decay": float(weight_decay), "fused": bool(fused)}
+        self.max_grad_norm = max_grad_norm
+        self.trace = Trace(trace_path)
+        self.acct = MemoryAccountant(plan.hardware.device_memory_bytes, enforce=not self.cuda)
+        # The plan keeps hardware.workspace_gib free for kernels' scratch, the CUDA context and
+        # allocator slack; on CPU that reservation is counted here so the budget means the same
+        # thing to the planner and to the accountant (on CUDA the allocator's figure covers it).
+        if not self.cuda:
+            self.acct.alloc(plan.hardware.workspace_bytes, "workspace")
+        self.pool = IOPool(workers=2)
+        self.opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-opt")
+        self.step_count = 0
+        self._synced = False
+        self._pending: list[Future] = []
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.nvme_dir = nvme_dir
+
+        self._build_layers()
+        self.use_seq = use_sequence(self.n_layers, plan.segments())
+        self.streamer = ParamStreamer(self.layers, self.device, plan.options.prefetch_depth,
+                                      self.host, self.nvme, self.pool, self.acct, self.trace)
+        self._init_storage()
+        self.acts = ActivationStore(self.device, self.acct, self.trace, self.nvme_root, self.pool, names)
+        self._init_optimizer(optimizer)
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _build_layers(self) -> None:
+        seen: set[int] = set()
+        self.layers: list[StreamedLayer] = []
+        self.adapters: list[list[nn.Parameter]] = []
+        for i, mods in enumerate(self.parts.layer_modules()):
+            streamed, adapters = [], []
+            for m in mods:
+                for n, p in m.named_parameters():
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    (adapters if (self.lora and p.requires_grad) else streamed).append((n, p))
+            dtypes = {p.dtype for _, p in streamed}
+            if len(dtypes) > 1:
+                raise ValueError(f"{self.names[i]}: parameters have mixed dtypes {sorted(map(str, dtypes))}; "
+                                 f"cast the model to one compute dtype first")
+            dtype = dtypes.pop() if dtypes else torch.float32
+            layout = FlatLayout.of(streamed, dtype)
+            self.layers.append(StreamedLayer(i, self.names[i], [p for _, p in streamed], layout,
+                                             self.decisions[i].param_tier))
+            # originals, read before the streamer rebinds parameters to its buffers
+            self.layers[-1].extra["init_values"] = [p.data for _, p in streamed]
+            self.adapters.append([p for _, p in adapters])
+        outside = [n for n, p in self.model.named_parameters() if id(p) not in seen]
+        if outside:
+            raise ValueError(f"parameters outside embed/blocks/norm/head are not supported: {outside[:3]}")
+        self.compute_dtype = self.layers[1].layout.dtype if self.n_layers > 2 else self.layers[0].layout.dtype
+        self.trainable = [bool(lay.params) and not self.lora and any(p.requires_grad for p in lay.params)
+                          for lay in self.layers]
+
+        need_nvme = 0
+        for lay, d in zip(self.layers, self.decisions):
+            if d.param_tier == "nvme":
+                need_nvme += lay.layout.padded_nbytes
+            if self.trainable[lay.index]:
+                need_nvme += lay.layout.numel * 4 * ((d.grad_tier == "nvme") + 3 * (d.optimizer_tier == "nvme"))
+        uses_nvme = need_nvme > 0 or any(d.activation_tier == "nvme" for d in self.decisions)
+        self.host = HostStore(pin=self.cuda)
+        self.nvme_root = None
+        self.nvme = None
+        if uses_nvme:
+            root = check_nvme_dir(self.nvme_dir, need_nvme)
+            self.nvme_root = Path(root) / f"lazytrain-{id(self):x}"
+            self.nvme_root.mkdir(parents=True, exist_ok=True)
+            self.nvme = NvmeStore(self.nvme_root, self.pool)
+
+    def _init_storage(self) -> None:
+        for lay, d in zip(self.layers, self.decisions):
+            if not lay.params:
+                continue
+            values = lay.extra["init_values"]
+            if d.param_tier == "device":
+                lay.layout.gather(values, lay.resident)
+            elif d.param_tier == "host" or d.param_tier == "nvme":
+                key = self.streamer.key(lay)
+                if d.param_tier == "host":
+                    buf = self.host.allocate(key, lay.layout.nbytes)
+                else:
+                    self.nvme.allocate(key, lay.layout.nbytes)
+                    buf = aligned_empty(lay.layout.padded_nbytes)
+                lay.layout.gather(values, typed(buf, lay.layout.dtype, lay.layout.numel))
+                if d.param_tier == "nvme":
+                    self.nvme.write_sync(key, buf)
+        # Buffers (rotary inv_freq, ...) and LoRA adapters stay resident on the device.
+        for mod in self.model.modules():
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.device != self.device:
+                    mod._buffers[name] = b.to(self.device)
+        for ads in self.adapters:
+            for p in ads:
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
+                self.acct.alloc(p.nbytes, "adapters")
+
+    def _init_optimizer(self, optimizer: str) -> None:
+        self.states: list[LayerTrainState | None] = []
+        self.opt8 = None
+        for lay, d in zip(self.layers, self.decisions):
+            st = None
+            if self.trainable[lay.index]:
+                st = LayerTrainState(lay.name, FlatLayout(lay.layout.names, lay.layout.shapes, lay.layout.offsets,
+                                                          lay.layout.numels, torch.float32),
+                                     d.grad_tier, d.optimizer_tier, self.host, self.nvme, self.trace)
+                st.init_master(lay.extra["init_values"])
+            self.states.append(st)
+            lay.extra.pop("init_values", None)
+            if lay.resident is None:
+                self.streamer._unbind(lay)   # the originals are released here
+        if optimizer == "adamw8bit" and not self.lora:
+            try:
+                from ..optim import AdamW8bit  # type: ignore[attr-defined]
+            except ImportError:
+                raise ValueError("optimizer=adamw8bit needs lazytrain.optim.AdamW8bit, which is not "
+                                 "available in this build; use optimizer=adamw") from None
+            if any(d.optimizer_tier != "host" for d in self.decisions):
+                raise ValueError("optimizer=adamw8bit keeps its 8-bit states on the host; the plan puts "
+                                 "optimizer state on nvme")
+            self.opt8 = {}
+            for st in self.states:
+                if st is not None:
+                    p = nn.Parameter(st.master(), requires_grad=False)
+                    self.opt8[st.name] = AdamW8bit([p], lr=self.hp["lr"], betas=self.hp["betas"],
+                                                   eps=self.hp["eps"], weight_decay=self.hp["weight_decay"])
+        self.adapter_params = [p for ads in self.adapters for p in ads]
+        self.adapter_grads: dict[int, torch.Tensor] = {}
+        self.adapter_opt = None
+        if self.adapter_params:
+            self.adapter_opt = torch.optim.AdamW(self.adapter_params, lr=self.hp["lr"], betas=self.hp["betas"],
+                                                 eps=self.hp["eps"], weight_decay=self.hp["weight_decay"],
+                                                 fused=self.hp["fused"] or None)
+            self.acct.alloc(sum(2 * p.numel() * 4 for p in self.adapter_params), "adapter_optimizer")
+
+    # ---- weights publication -------------------------------------------------------------
+    def _publisher(self, i: int):
+        lay, d = self.layers[i], self.decisions[i]
+
+        def write(master: torch.Tensor) -> None:
+            if d.param_tier == "device":
+                lay.resident.copy_(master)
+            elif d.param_tier == "host":
+                typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel).copy_(master)
+            else:
+                buf = aligned_empty(lay.layout.padded_nbytes)
+                typed(buf, lay.layout.dtype, lay.layout.numel).copy_(master)
+                s = self.trace.now()
+                self.nvme.write_sync(self.streamer.key(lay), buf)
+                self.trace.add("nvme_write", lay.name, s, self.trace.now(), lay.layout.padded_nbytes, "nvme")
+        return write
+
+    # ---- one layer -----------------------------------------------------------------------
+    def _fwd(self, i: int, x: torch.Tensor | None, mb: dict) -> torch.Tensor:
+        if i == 0:
+            return self.parts.embed(mb["ids"])
+        if i == self.n_layers - 1:
+            loss = head_loss(self.parts, x, mb["labels"])
+            if not mb["recomputing"]:
+                mb["loss"] = loss.detach()
+            return loss / mb["n"]
+        return run_block(self.parts.blocks[i - 1], x, mb["kw"])
+
+    def _bwd(self, i: int, x: torch.Tensor | None, out: torch.Tensor, g: torch.Tensor | None,
+             first: bool, last: bool) -> torch.Tensor | None:
+        lay = self.layers[i]
+        params = lay.params if self.trainable[i] else []
+        ads = self.adapters[i]
+        inputs = [*params, *ads] + ([x] if x is not None else [])
+        if not inputs:
+            return None
+        t = self.trace.now()
+        grads = torch.autograd.grad(out, inputs, grad_outputs=g, allow_unused=True)
+        self.trace.add("compute_bwd", lay.name, t, self.trace.now())
+        gx = grads[-1] if x is not None else None
+        pg, ag = grads[:len(params)], grads[len(params):len(params) + len(ads)]
+        for p, gr in zip(ads, ag):
+            if gr is None:
+                continue
+            acc = self.adapter_grads.get(id(p))
+            if acc is None:
+                self.adapter_grads[id(p)] = gr.detach().clone()
+                self.acct.alloc(gr.nbytes, "adapter_grads")
+            else:
+                acc.add_(gr)
+        if params:
+            st = self.states[i]
+            nb = sum(gr.nbytes for gr in pg if gr is not None)
+            self.acct.alloc(nb, "grads")
+            if self.cuda:
+                # d2h on this thread's stream order; the optimizer thread adds into fp32 on the host.
+                pg = [gr.to("cpu", non_blocking=False) if gr is not None else None for gr in pg]
+                self.acct.free(nb, "grads")
+                nb = 0
+
+            def accumulate(pg=pg, nb=nb) -> None:
+                st.accumulate(list(pg), first, last)
+                self.acct.free(nb, "grads")
+
+            self._pending.append(self.opt_pool.submit(accumulate))
+            if last and self.max_grad_norm is None:
+                lay.ready = self.opt_pool.submit(self._update, i, None, dict(self.hp))
+        return gx
+
+    def _update(self, i: int, scale: torch.Tensor | None, hp: dict) -> None:
+        # `hp` is a snapshot taken when the update was queued: set_lr for the next step may run
+        # while this step's updates are still landing.
+        st = self.states[i]
+        st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
+
+    # ---- a micro-batch -------------------------------------------------------------------
+    def _rng_state(self) -> tuple:
+        return (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None)
+
+    def _set_rng_state(self, st: tuple) -> None:
+        torch.set_rng_state(st[0])
+        if st[1] is not None:
+            torch.cuda.set_rng_state(st[1], self.device)
+
+    def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool) -> float:
+        ids, labels = ids.to(self.device), labels.to(self.device)
+        B, S = ids.shape
+        kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)
+        ctx = [t for v in kw.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+               if isinstance(t, torch.Tensor)]
+        self.acts.resident_ptrs = {t.untyped_storage().data_ptr() for t in ctx}
+        self.acts.resident_ptrs |= {p.untyped_storage().data_ptr() for p in self.adapter_params}
+        ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
+        self.acct.alloc(ctx_bytes, "step_context")
+        mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False}
+        self.streamer.start(self.use_seq, wrap=self.lora or not last)
+        L = self.n_layers
+        dec = self.decisions
+        graphs: dict[int, tuple] = {}
+        seg_in: dict[int, Any] = {}
+        rng: dict[int, tuple] = {}
+        h: torch.Tensor | None = None
+        prev_out: torch.Tensor | None = None
+
+        live = 0
+        # ---- forward
+        for i in range(L):
+            d = dec[i]
+            self.streamer.use(i)
+            t = self.trace.now()
+            if d.recompute:
+                if d.segment_start == i:
+                    seg_in[i] = self.acts.save(i, d.activation_tier, ids if i == 0 else h)
+                rng[i] = self._rng_state()
+                with torch.no_grad():
+                    out = self._fwd(i, h, mb)
+                x = None
+            else:
+                x = h.detach().requires_grad_(True) if h is not None else None
+                with self.acts.hooks(i, d.activation_tier, self.streamer.device_buffer):
+                    out = self._fwd(i, x, mb)
+                self.acts.end_forward(i)
+                graphs[i] = (x, out)
+            self.trace.add("compute_fwd", self.names[i], t, self.trace.now())
+            # The previous boundary is needed on the device only if a device-tier save holds it.
+            if prev_out is not None and prev_out.untyped_storage().data_ptr() not in self.acts.protected():
+                if i - 1 in graphs:
+                    prev_out.untyped_storage().resize_(0)
+            prev_out = out
+            h = out if d.recompute else out.detach()
+            # the live boundary (hidden state handed to the next layer) is device memory too
+            self.acct.free(live, "live_boundary")
+            live = h.nbytes
+            self.acct.alloc(live, "live_boundary")
+            if d.recompute:
+                prev_out = None
+        # ---- backward
+        g: torch.Tensor | None = None
+        i = L - 1
+        while i >= 0:
+            d = dec[i]
+            if d.recompute:
+                a = d.segment_start
+                hin = self.acts.load(seg_in[a])
+                mb["recomputing"] = True
+                keep = self._rng_state()
+                seg_graphs = {}
+                for j in range(a, i + 1):
+                    self.streamer.use(j)
+                    t = self.trace.now()
+                    xj = hin.detach().requires_grad_(True) if j > 0 else None
+                    self._set_rng_state(rng[j])
+                    with self.acts.hooks(j, "device", self.streamer.device_buffer, kind="recompute"):
+                        outj = self._fwd(j, xj, mb)
+                    self.acts.end_forward(j)
+                    seg_graphs[j] = (xj, outj)
+                    # as in forward: a boundary inside the segment stays only if a save holds it
+                    if j > a and (prev := seg_graphs[j - 1][1]).untyped_storage().data_ptr() \
+                            not in self.acts.protected():
+                        prev.untyped_storage().resize_(0)
+                    hin = outj.detach() if j < L - 1 else None
+                    self.trace.add("recompute", self.names[j], t, self.trace.now())
+                self._set_rng_state(keep)
+                mb["recomputing"] = False
+                del hin
+                for j in range(i, a - 1, -1):
+                    self.streamer.use(j)
+                    xj, outj = seg_graphs.pop(j)
+                    g = self._bwd(j, xj, outj, g, first, last)
+                    live = self._track_grad(live, g)
+                    self.acts.release(j)
+                i = a - 1
+            else:
+                k = 0
+                for j in range(i, -1, -1):   # bring back offloaded activations ahead of need
+                    if k >= self.plan.options.prefetch_depth:
+                        break
+                    if not dec[j].recompute:
+                        self.acts.prefetch(j)
+                        k += 1
+                self.streamer.use(i)
+                x, out = graphs.pop(i)
+                g = self._bwd(i, x, out, g, first, last)
+                live = self._track_grad(live, g)
+                self.acts.release(i)
+                i -= 1
+        self.acct.free(ctx_bytes, "step_context")
+        self.acct.free(live, "live_boundary")
+        return float(mb["loss"])
+
+    def _track_grad(self, live: int, g: torch.Tensor | None) -> int:
+        """Count the gradient flowing between layers (replaces the previous one)."""
+        self.acct.free(live, "live_boundary")
+        n = g.nbytes if g is not None else 0
+        self.acct.alloc(n, "live_boundary")
+        return n
+
+    # ---- a step --------------------------------------------------------------------------
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One optimizer step over `micro_batches` (list of (input_ids [B,S], labels [B,S]))."""
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        if self._synced:
+            self._rebind()
+        t0 = time.perf_counter()
+        self.trace.step = self.step_count
+        self.acct.reset_peak()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        n = len(micro_batches)
+        losses, tokens = [], 0
+        for k, (ids, labels) in enumerate(micro_batches):
+            if ids.dim() != 2 or ids.shape != labels.shape:
+                raise ValueError(f"micro-batch {k}: input_ids and labels must both be [B, S], "
+                                 f"got {tuple(ids.shape)} and {tuple(labels.shape)}")
+            losses.append(self._micro_batch(ids, labels, n, k == 0, k == n - 1))
+            tokens += ids.numel()
+        for f in self._pending:
+            f.result()
+        self._pending.clear()
+        norms = [n for st in self.states if st is not None for n in st.norms]
+        norms += [torch.linalg.vector_norm(self.adapter_grads[id(p)]) for p in self.adapter_params
+                  if id(p) in self.adapter_grads]
+        norm_t = total_norm(norms)
+        grad_norm = float(norm_t)
+        skipped = False
+        if self.max_grad_norm is not None:
+            scale = clip_scale_for(norm_t, self.max_grad_norm)
+            skipped = scale is None
+            if not skipped:
+                for i, st in enumerate(self.states):   # first layers first: the next forward needs them
+                    if st is not None:
+                        self.layers[i].ready = self.opt_pool.submit(self._update, i, scale, dict(self.hp))
+            else:
+                for st in self.states:
+                    if st is not None:
+                        st.has_grad = False
+        else:
+            scale = None
+        if not skipped:
+            self._step_adapters(scale)
+        else:
+            self._step_adapters(None, skip=True)
+        if not self.lora:
+            self.streamer.invalidate()
+            self.streamer.prefetch_first(self.use_seq)
+        if not skipped:
+            self.step_count += 1
+        peak = self.acct.peak_bytes
+        measured = max(peak, torch.cuda.max_memory_allocated(self.device)) if self.cuda else peak
+        step_s = time.perf_counter() - t0
+        self.trace.flush()
+        pred = self.plan.predicted
+        return StepResult(loss=sum(losses) / n, grad_norm=grad_norm, skipped=skipped, step_time_s=step_s,
+                          device_peak_bytes=int(measured), tokens=tokens,
+                          predicted_step_time_s=float(pred.step_time_s),
+                          predicted_device_peak_bytes=int(pred.peak_bytes.get("device", 0)),
+                          accounted_peak_bytes=int(peak))
+
+    def _step_adapters(self, scale: torch.Tensor | None, skip: bool = False) -> None:
+        if self.adapter_opt is None:
+            return
+        if not skip:
+            t = self.trace.now()
+            for p in self.adapter_params:
+                gr = self.adapter_grads.get(id(p))
+                if gr is not None and scale is not None:
+                    gr.mul_(scale.to(gr.device))
+                p.grad = gr
+            self.adapter_opt.step()
+            self.trace.add("optimizer", "adapters", t, self.trace.now(), 0, "device")
+        for p in self.adapter_params:
+            p.grad = None
+        for gr in self.adapter_grads.values():
+            self.acct.free(gr.nbytes, "adapter_grads")
+        self.adapter_grads.clear()
+
+    # ---- public helpers ------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.hp["lr"] = float(lr)
+        if self.adapter_opt is not None:
+            for grp in self.adapter_opt.param_groups:
+                grp["lr"] = float(lr)
+
+    def wait(self) -> None:
+        """Block until every queued optimizer update has been applied."""
+        for lay in self.layers:
+            if lay.ready is not None:
+                lay.ready.result()
+
+    def _layer_values(self, i: int) -> list[torch.Tensor]:
+        """Current compute-dtype weights of layer i, as fresh tensors (not views of any buffer)."""
+        lay, d = self.layers[i], self.decisions[i]
+        if self.states[i] is not None:
+            flat = self.states[i].master().to(lay.layout.dtype)
+        elif d.param_tier == "device":
+            flat = lay.resident.clone()
+        elif d.param_tier == "host":
+            flat = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel).clone()
+        else:
+            buf = aligned_empty(lay.layout.padded_nbytes)
+            self.nvme.read_sync(self.streamer.key(lay), buf)
+            flat = typed(buf, lay.layout.dtype, lay.layout.numel).clone()
+        return [v.clone() for v in lay.layout.views(flat.to(self.device))]
+
+    def sync_model(self) -> nn.Module:
+        """Write current weights back into `self.model`'s parameters (for saving / evaluation)."""
+        self.wait()
+        self.streamer.invalidate()
+        for i, lay in enumerate(self.layers):
+            for p, v in zip(lay.params, self._layer_values(i)):
+                p.data = v
+        self._synced = True
+        return self.model
+
+    def _rebind(self) -> None:
+        for lay in self.layers:
+            if lay.resident is not None:
+                self.streamer._bind(lay, lay.resident)
+            else:
+                self.streamer._unbind(lay)
+        self._synced = False
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Full FT: every weight (compute dtype) by model parameter name; LoRA: the adapters."""
+        self.wait()
+        if self.lora:
+            return {self.param_names[id(p)]: p.detach().cpu().clone() for p in self.adapter_params}
+        out = {}
+        for i, lay in enumerate(self.layers):
+            for p, v in zip(lay.params, self._layer_values(i)):
+                out[self.param_names[id(p)]] = v.cpu()
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights, optimizer state and step; tensors only (safetensors-able)."""
+        return executor_state_dict(self)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        load_executor_state_dict(self, sd)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.streamer.close()
+            self.acts.close()
+            self.opt_pool.shutdown(wait=True)
+            self.pool.shutdown()
+            if self.nvme is not None:
+                self.nvme.close()
+            if self.nvme_root is not None:   # our own subdirectory of nvme_dir: scratch only
+                shutil.rmtree(self.nvme_root, ignore_errors=True)
+            self.host.close()
+            self.trace.flush()

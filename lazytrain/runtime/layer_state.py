@@ -1,0 +1,179 @@
+"""Per-layer host-side training state for full fine-tuning: fp32 gradient accumulator, fp32 master
+weights and AdamW moments, each on the tier the plan says (host RAM or NVMe files), and the
+per-layer optimizer update that writes fresh compute-dtype weights back to the parameter store.
+
+Every method here runs on the optimizer thread, one job at a time in submission order, so a
+layer's accumulate -> update -> write-back sequence needs no locks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.adamw import adamw as _adamw
+
+from ..storage.flat import FlatLayout, typed
+from ..storage.tiers import HostStore, NvmeStore, staging_buffer
+from .trace import Trace
+
+F32 = torch.float32
+
+
+class LayerTrainState:
+    """fp32 grads / master / moments for one layer's streamed parameters."""
+
+    def __init__(self, name: str, layout: FlatLayout, grad_tier: str, optimizer_tier: str,
+                 host: HostStore, nvme: NvmeStore | None, trace: Trace) -> None:
+        self.name, self.layout = name, layout
+        self.numel = layout.numel
+        self.nbytes32 = self.numel * 4
+        self.grad_tier, self.optimizer_tier = grad_tier, optimizer_tier
+        self.host, self.nvme, self.trace = host, nvme, trace
+        # AdamW's step counters, one per tensor (the fused kernel takes one per parameter)
+        self.steps = [torch.zeros((), dtype=F32) for _ in layout.names]
+        self.norms: list[torch.Tensor] = []         # per-tensor L2 norms of this step's grads
+        self.has_grad = False
+        self._staging: dict[str, torch.Tensor] = {}   # NVMe-tier tensors read for this job
+        for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
+                          ("exp_avg_sq", optimizer_tier)):
+            store = self._store(tier)
+            store.allocate(self._key(key), self.nbytes32)
+
+    def _key(self, what: str) -> str:
+        return f"{self.name}.{what}"
+
+    def _store(self, tier: str):
+        if tier == "host":
+            return self.host
+        if tier == "nvme":
+            if self.nvme is None:
+                raise ValueError(f"{self.name}: plan puts state on nvme but no nvme_dir was given")
+            return self.nvme
+        raise ValueError(f"{self.name}: grad/optimizer tier must be host or nvme, got {tier!r}")
+
+    # ---- tensors, materialised on host (read from NVMe when that is their tier) ---------
+    def _load(self, what: str, tier: str) -> torch.Tensor:
+        if tier == "host":
+            return typed(self.host.get(self._key(what)), F32, self.numel)
+        buf = staging_buffer(self.nbytes32)
+        self._staging[what] = buf
+        s = self.trace.now()
+        self.nvme.read_sync(self._key(what), buf)
+        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.nbytes32, "nvme")
+        return typed(buf, F32, self.numel)
+
+    def _save(self, what: str, tier: str, t: torch.Tensor) -> None:
+        if tier == "host":
+            return  # updated in place
+        s = self.trace.now()
+        buf = self._staging.pop(what)
+        self.nvme.write_sync(self._key(what), buf)
+        self.trace.add("nvme_write", self.name, s, self.trace.now(), self.nbytes32, "nvme")
+
+    def _fresh(self, what: str, tier: str) -> torch.Tensor:
+        """A tensor to overwrite entirely (no read from NVMe needed)."""
+        if tier == "host":
+            return typed(self.host.get(self._key(what)), F32, self.numel)
+        buf = staging_buffer(self.nbytes32)
+        self._staging[what] = buf
+        return typed(buf, F32, self.numel)
+
+    def init_master(self, values: list[torch.Tensor]) -> None:
+        """Set fp32 master weights from the model's tensors; zero the moments."""
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            t = self._fresh(what, self.optimizer_tier)
+            if what == "master":
+                self.layout.gather(values, t)
+            else:
+                t.zero_()
+            self._save(what, self.optimizer_tier, t)
+
+    def master(self) -> torch.Tensor:
+        return self._load("master", self.optimizer_tier)
+
+    def load_tensor(self, what: str) -> torch.Tensor:
+        return self._load(what, self.optimizer_tier).clone()
+
+    def store_tensor(self, what: str, src: torch.Tensor) -> None:
+        t = self._load(what, self.optimizer_tier)
+        t.copy_(src.reshape(-1))
+        self._save(what, self.optimizer_tier, t)
+
+    # ---- gradient accumulation ----------------------------------------------------------
+    def accumulate(self, grads: list[torch.Tensor | None], first: bool, last: bool) -> None:
+        """Add one micro-batch's gradients (any dtype/device, per tensor) into the fp32 accumulator."""
+        s = self.trace.now()
+        acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
+        for g, o, n in zip(grads, self.layout.offsets, self.layout.numels):
+            dst = acc[o:o + n]
+            if g is None:
+                if first:
+                    dst.zero_()
+            elif first:
+                dst.copy_(g.reshape(-1))
+            else:
+                dst.add_(g.reshape(-1).to(F32))
+        self.has_grad = True
+        if last:
+            # Per-tensor norms, combined later exactly as torch.nn.utils.clip_grad_norm_ does.
+            self.norms = [torch.linalg.vector_norm(acc[o:o + n]) for o, n in
+                          zip(self.layout.offsets, self.layout.numels)]
+        self._save("grad", self.grad_tier, acc)
+        self.trace.add("d2h", self.name, s, self.trace.now(), self.nbytes32, self.grad_tier)
+
+    # ---- the update -----------------------------------------------------------------------
+    @property
+    def step(self) -> torch.Tensor:
+        return self.steps[0] if self.steps else torch.zeros((), dtype=F32)
+
+    def set_step(self, value: torch.Tensor) -> None:
+        for t in self.steps:
+            t.copy_(value)
+
+    def update(self, hp: dict, clip_scale: torch.Tensor | None, write_params, opt8=None) -> None:
+        """AdamW on this layer's fp32 master, then `write_params(master_fp32)` publishes weights."""
+        s = self.trace.now()
+        grad = self._load("grad", self.grad_tier)
+        if clip_scale is not None:
+            grad.mul_(clip_scale)
+        master = self._load("master", self.optimizer_tier)
+        if opt8 is not None:
+            p = opt8.param_groups[0]["params"][0]
+            p.data = master
+            p.grad = grad
+            opt8.param_groups[0]["lr"] = hp["lr"]
+            opt8.step_params([p], clip_scale=1.0)   # grads were scaled above
+            p.grad = None
+        else:
+            m = self._load("exp_avg", self.optimizer_tier)
+            v = self._load("exp_avg_sq", self.optimizer_tier)
+            # Per-tensor views, so every element sees exactly the arithmetic torch.optim.AdamW
+            # applies to the model's own parameters (the fused kernel's vector/scalar split
+            # depends on each tensor's length).
+            lay = self.layout
+            fused = bool(hp.get("fused", True))
+            _adamw(lay.views(master), lay.views(grad), lay.views(m), lay.views(v), [], self.steps,
+                   fused=fused, foreach=None if fused else False, amsgrad=False,
+                   beta1=hp["betas"][0], beta2=hp["betas"][1], lr=hp["lr"],
+                   weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False)
+            self._save("exp_avg", self.optimizer_tier, m)
+            self._save("exp_avg_sq", self.optimizer_tier, v)
+        self._save("master", self.optimizer_tier, master)
+        write_params(master)
+        self.has_grad = False
+        self.trace.add("optimizer", self.name, s, self.trace.now(), self.nbytes32 * 4, "host")
+
+
+def total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm from per-tensor norms (the same reduction clip_grad_norm_ uses)."""
+    if not norms:
+        return torch.zeros((), dtype=F32)
+    return torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+
+
+def clip_scale_for(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """clip_grad_norm_'s clamped coefficient (0-d fp32); None when the norm is not finite (skip)."""
+    if not math.isfinite(float(norm)):
+        return None
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -1,0 +1,87 @@
+"""The executor's resumable state as a flat dict of tensors (safetensors-able): per layer the fp32
+master weights, AdamW moments and step; LoRA adapters and their optimizer state; the step count."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .executor import StreamingExecutor
+
+
+def executor_state_dict(ex: "StreamingExecutor") -> dict[str, torch.Tensor]:
+    """Master weights, optimizer state and step of `ex`; tensors only (safetensors-able)."""
+    ex.wait()
+    sd: dict[str, torch.Tensor] = {"meta.step": torch.tensor(ex.step_count, dtype=torch.int64)}
+    for st in ex.states:
+        if st is None:
+            continue
+        if ex.opt8 is not None:  # 8-bit: master weights here, codes + absmax + step from AdamW8bit
+            sd[f"layer.{st.name}.master"] = st.load_tensor("master")
+            osd = ex.opt8[st.name].state_dict()
+            for k, v in next(iter(osd["state"].values()), {}).items():
+                sd[f"layer8.{st.name}.{k}"] = v.detach().cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
+            sd[f"layer8.{st.name}.skipped_steps"] = torch.tensor(osd["lazytrain"]["skipped_steps"])
+            continue
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            sd[f"layer.{st.name}.{what}"] = st.load_tensor(what)
+        sd[f"layer.{st.name}.step"] = st.step.clone()
+    if ex.adapter_opt is not None:
+        for p in ex.adapter_params:
+            name = ex.param_names[id(p)]
+            sd[f"adapter.{name}"] = p.detach().cpu().clone()
+            state = ex.adapter_opt.state.get(p, {})
+            for k, v in state.items():
+                sd[f"adapter_state.{name}.{k}"] = v.detach().cpu().clone()
+    return sd
+
+def load_executor_state_dict(ex: "StreamingExecutor", sd: dict[str, torch.Tensor]) -> None:
+    ex.wait()
+    ex.streamer.invalidate()
+    ex.step_count = int(sd["meta.step"])
+    for i, st in enumerate(ex.states):
+        if st is None:
+            continue
+        if ex.opt8 is not None:
+            _load_8bit_layer(ex, i, st, sd)
+            continue
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            key = f"layer.{st.name}.{what}"
+            if key not in sd:
+                raise KeyError(f"state dict has no {key} (saved from a different model or plan?)")
+            st.store_tensor(what, sd[key])
+        st.set_step(sd[f"layer.{st.name}.step"])
+        ex._publisher(i)(st.master())
+    if ex.adapter_opt is not None:
+        for p in ex.adapter_params:
+            name = ex.param_names[id(p)]
+            p.data.copy_(sd[f"adapter.{name}"].to(p.device))
+            state = {}
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                key = f"adapter_state.{name}.{k}"
+                if key in sd:
+                    v = sd[key]
+                    state[k] = v.clone() if k == "step" else v.to(p.device).clone()
+            if state:
+                ex.adapter_opt.state[p] = state
+
+
+
+def _load_8bit_layer(ex: "StreamingExecutor", i: int, st, sd: dict[str, torch.Tensor]) -> None:
+    key = f"layer.{st.name}.master"
+    if key not in sd:
+        raise KeyError(f"state dict has no {key} (saved from a different model or plan?)")
+    st.store_tensor("master", sd[key])
+    opt = ex.opt8[st.name]
+    prefix = f"layer8.{st.name}."
+    saved = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    if "step" not in saved:
+        raise KeyError(f"state dict has no 8-bit optimizer state for {st.name} (saved with optimizer=adamw?)")
+    osd = opt.state_dict()
+    osd["lazytrain"]["skipped_steps"] = int(saved.pop("skipped_steps", torch.tensor(0)))
+    state = {k: (int(v) if k == "step" else v) for k, v in saved.items()}
+    osd["state"] = {0: state}
+    opt.load_state_dict(osd)
+    ex._publisher(i)(st.master())

@@ -1,0 +1,240 @@
+"""Parameter streaming: each layer's compute-dtype weights in one flat buffer on their planned tier,
+brought to the device ahead of need (the plan's `prefetch_depth` buffers: the layer computing
+and depth-1 on their way) and dropped when no use is near.
+
+The executor tells the streamer the order of uses (forward, recompute, backward: a pure expansion
+of the Plan, see `use_sequence`); `use(i)` waits only for layer i's own transfer and then starts
+the transfers for the next depth-1 layers. A fetch first waits for that layer's pending optimizer
+update, so the next step's forward waits only for the layer it needs, not for the whole update.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..storage.aligned_io import IOPool, aligned_empty
+from ..storage.flat import FlatLayout, typed
+from ..storage.tiers import HostStore, NvmeStore
+from .accountant import MemoryAccountant
+from .trace import Trace
+
+
+@dataclass
+class StreamedLayer:
+    index: int
+    name: str
+    params: list[nn.Parameter]          # the layer's streamed (non-adapter) parameters
+    layout: FlatLayout
+    tier: str                           # param tier: device | host | nvme
+    ready: Future | None = None         # pending optimizer update that rewrites the weights
+    resident: torch.Tensor | None = None  # device buffer of a device-tier layer
+    held: torch.Tensor | None = None    # typed flat device buffer while fetched
+    fetch: Future | None = None
+    event: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def use_sequence(n_layers: int, segments: list[tuple[int, int]]) -> list[int]:
+    """Layer indices in the order their weights are used in one micro-batch: forward, then
+    backward in reverse where a recompute segment (a..b) re-runs a..b forward before b..a backward."""
+    seq = list(range(n_layers))
+    seg_by_end = {b: a for a, b in segments}
+    seg_of = {i: (a, b) for a, b in segments for i in range(a, b + 1)}
+    i = n_layers - 1
+    while i >= 0:
+        if i in seg_by_end:
+            a = seg_by_end[i]
+            seq += list(range(a, i + 1)) + list(range(i, a - 1, -1))
+            i = a - 1
+        else:
+            assert i not in seg_of
+            seq.append(i)
+            i -= 1
+    # merge consecutive repeats (head forward then head backward is one use)
+    return [x for k, x in enumerate(seq) if k == 0 or seq[k - 1] != x]
+
+
+class ParamStreamer:
+    def __init__(self, layers: list[StreamedLayer], device: torch.device, depth: int,
+                 host: HostStore, nvme: NvmeStore | None, pool: IOPool,
+                 accountant: MemoryAccountant, trace: Trace) -> None:
+        self.layers = layers
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.depth = max(1, int(depth))
+        self.host, self.nvme, self.pool = host, nvme, pool
+        self.acct, self.trace = accountant, trace
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.seq: list[int] = []
+        self.pos = 0
+        self.wrap = False
+        self._free: dict[int, list[torch.Tensor]] = {}   # CPU: reuse device buffers by size
+        sizes = [lay.layout.padded_nbytes for lay in layers if lay.tier != "device"]
+        self._common_nbytes = max(set(sizes), key=sizes.count) if sizes else -1  # the blocks' size
+        for lay in layers:
+            if lay.tier == "device" and lay.layout.numel:
+                buf = torch.empty(lay.layout.numel, dtype=lay.layout.dtype, device=device)
+                self.acct.alloc(buf.nbytes, "params_resident")
+                lay.resident = buf
+                self._bind(lay, buf)
+
+    # ---- storage -------------------------------------------------------------------------
+    def key(self, lay: StreamedLayer) -> str:
+        return f"{lay.name}.param"
+
+    def device_buffer(self, index: int) -> torch.Tensor | None:
+        """The typed flat device buffer currently holding layer `index`'s weights (or None)."""
+        lay = self.layers[index]
+        return lay.resident if lay.resident is not None else lay.held
+
+    def _bind(self, lay: StreamedLayer, flat: torch.Tensor) -> None:
+        for p, v in zip(lay.params, lay.layout.views(flat)):
+            p.data = v
+
+    def _unbind(self, lay: StreamedLayer) -> None:
+        empty = torch.empty(0, dtype=lay.layout.dtype, device=self.device)
+        for p in lay.params:
+            p.data = empty
+
+    # ---- schedule ------------------------------------------------------------------------
+    def start(self, seq: list[int], wrap: bool) -> None:
+        """Begin a micro-batch's use sequence; `wrap`: prefetch across its end (weights unchanged)."""
+        self.seq, self.pos, self.wrap = seq, 0, wrap
+
+    def _ahead(self) -> list[int]:
+        out: list[int] = []
+        k = self.pos + 1
+        n = len(self.seq)
+        # `depth` buffers in all (the plan's prefetch_depth): the current layer + depth-1 ahead
+        while len(out) < self.depth - 1 and (k < n or (self.wrap and k < self.pos + n)):
+            idx = self.seq[k % n]
+            if idx not in out and self.layers[idx].resident is None:
+                out.append(idx)
+            k += 1
+        return out
+
+    def use(self, index: int) -> None:
+        """Layer `index` is about to compute: its weights are bound and on the device on return."""
+        while self.pos < len(self.seq) and self.seq[self.pos] != index:
+            self.pos += 1
+        if self.pos >= len(self.seq):
+            raise RuntimeError(f"layer {self.layers[index].name} used out of the planned order")
+        lay = self.layers[index]
+        ahead = self._ahead()
+        keep = set(ahead) | {index}
+        for other in self.layers:
+            if other.held is not None and other.index not in keep:
+                self._evict(other)
+        if lay.resident is None:
+            self._fetch(lay)
+        for idx in ahead:
+            self._fetch(self.layers[idx])
+        self._wait(lay)
+
+    def prefetch_first(self, seq: list[int]) -> None:
+        """After a step's updates were queued: start the next step's first fetches now."""
+        self.start(seq, wrap=False)
+        for idx in ([seq[0]] + self._ahead())[: max(1, self.depth - 1)]:
+            if self.layers[idx].resident is None:
+                self._fetch(self.layers[idx])
+
+    def invalidate(self) -> None:
+        """Weights are about to change (optimizer step): drop every fetched copy."""
+        for lay in self.layers:
+            if lay.held is not None or lay.fetch is not None:
+                self._evict(lay)
+
+    # ---- transfers -----------------------------------------------------------------------
+    def _alloc(self, lay: StreamedLayer) -> torch.Tensor:
+        # CPU: buffers are reused (fresh allocations page-fault at ~9 GB/s) and stay counted
+        # while cached, so the accountant's figure is what the process really holds.
+        nb = lay.layout.padded_nbytes
+        free = self._free.get(nb)
+        if free:
+            return free.pop()
+        if self.cuda:
+            buf = torch.empty(nb, dtype=torch.uint8, device=self.device)
+        else:
+            buf = aligned_empty(nb)   # aligned: NVMe reads land directly in it
+        self.acct.alloc(nb, "params_streamed")
+        return buf
+
+    def _fetch(self, lay: StreamedLayer) -> None:
+        if lay.held is not None or lay.fetch is not None or not lay.layout.numel:
+            return
+        buf = self._alloc(lay)
+        lay.extra["buf"] = buf
+        ready = lay.ready
+        nb = lay.layout.padded_nbytes
+        after = None
+        if self.cuda:
+            # The buffer may be memory the compute stream freed moments ago (still being read by
+            # queued kernels): the copy stream must start only after what is queued now.
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+
+        def job():
+            if ready is not None:
+                ready.result()
+            s = self.trace.now()
+            if not self.cuda:
+                if lay.tier == "nvme":
+                    self.nvme.read_sync(self.key(lay), buf)
+                    self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme")
+                else:
+                    buf.copy_(self.host.get(self.key(lay)))
+                    self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, "host")
+                return None
+            src = self.host.get(self.key(lay)) if lay.tier == "host" else None
+            if src is None:
+                src = aligned_empty(nb, pin=True)
+                self.nvme.read_sync(self.key(lay), src)
+                self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme")
+                s = self.trace.now()
+            with torch.cuda.stream(self.h2d_stream):
+                self.h2d_stream.wait_event(after)
+                buf.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.h2d_stream)
+            ev.synchronize()  # keeps `src` alive until the copy ran; only this I/O thread waits
+            self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, lay.tier)
+            return ev
+
+        lay.fetch = self.pool.submit(job)
+
+    def _wait(self, lay: StreamedLayer) -> None:
+        if lay.resident is not None:
+            if lay.ready is not None:
+                lay.ready.result()
+                lay.ready = None
+            return
+        if lay.held is None:
+            lay.fetch.result()
+            lay.fetch = None
+            lay.held = typed(lay.extra["buf"], lay.layout.dtype, lay.layout.numel)
+            self._bind(lay, lay.held)
+
+    def _evict(self, lay: StreamedLayer) -> None:
+        if lay.fetch is not None:
+            lay.fetch.result()
+            lay.fetch = None
+        buf = lay.extra.pop("buf", None)
+        lay.held = None
+        self._unbind(lay)
+        if buf is None:
+            return
+        if not self.cuda and buf.numel() == self._common_nbytes:
+            self._free.setdefault(buf.numel(), []).append(buf)
+        else:
+            self.acct.free(buf.numel(), "params_streamed")
+
+    def close(self) -> None:
+        self.invalidate()
+        for bufs in self._free.values():
+            for b in bufs:
+                self.acct.free(b.numel(), "params_streamed")
+        self._free.clear()

@@ -1,0 +1,116 @@
+"""Hand-made Plans for tests and benchmarks: per-layer decisions without the planner.
+
+    plan = hand_plan(num_blocks=4, param_tier="host", segments=[(1, 3)], activation_tier="nvme")
+
+Layer indices are execution order: 0 = embed, 1..L = blocks, L+1 = head. `segments` are
+inclusive (first, last) recompute ranges; their first layer's `activation_tier` says where the
+segment input lives, the others get "none". `overrides` sets fields of single layers by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..plan.plan import LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo
+from ..spec import HardwareSpec, JobSpec
+
+def hardware_for_tests(device_memory_gib: float = 64.0, device_type: str = "cpu") -> HardwareSpec:
+    return HardwareSpec(name="test", device_type=device_type, device_memory_gib=device_memory_gib,
+                        host_memory_gib=23.5, nvme_capacity_gib=40, h2d_gbps=26, d2h_gbps=26,
+                        nvme_read_gbps=1.8, nvme_write_gbps=1.45, device_tflops=0.21, workspace_gib=0.0)
+
+
+def hand_plan(num_blocks: int, *, param_tier: str = "device", activation_tier: str = "device",
+              grad_tier: str = "host", optimizer_tier: str = "host",
+              segments: Sequence[tuple[int, int]] = (),
+              overrides: Mapping[str, Mapping[str, Any]] | None = None,
+              hardware: HardwareSpec | None = None, job: JobSpec | None = None,
+              prefetch_depth: int = 2, predicted_step_time_s: float = 0.0,
+              predicted_device_bytes: int = 0) -> Plan:
+    """A feasible Plan for a model with `num_blocks` decoder blocks and the given decisions."""
+    n = num_blocks + 2
+    names = ["embed", *[f"block.{i}" for i in range(num_blocks)], "head"]
+    seg_of: dict[int, int] = {}
+    for a, b in segments:
+        if not (0 <= a <= b < n):
+            raise ValueError(f"segment {(a, b)} out of range for {n} layers")
+        for i in range(a, b + 1):
+            if i in seg_of:
+                raise ValueError(f"layer {i} is in two segments")
+            seg_of[i] = a
+    layers = []
+    for i, name in enumerate(names):
+        kind = "embed" if i == 0 else "head" if i == n - 1 else "block"
+        rec = i in seg_of
+        start = seg_of.get(i, i)
+        d = dict(name=name, kind=kind, index=i, recompute=rec, segment_start=start,
+                 activation_tier=activation_tier if (not rec or start == i) else "none",
+                 param_tier=param_tier, grad_tier=grad_tier, optimizer_tier=optimizer_tier)
+        d.update((overrides or {}).get(name, {}))
+        layers.append(LayerDecision(**d))
+    return Plan(
+        schema_version=1, input_hash="hand", status="feasible", method="hand",
+        solver=SolverInfo(name="hand", wall_s=0.0, gap=None),
+        predicted=Predicted(step_time_s=predicted_step_time_s, tokens_per_s=0.0,
+                            peak_bytes={"device": predicted_device_bytes, "host": 0, "nvme": 0}),
+        layers=tuple(layers), model_name="hand", model_config={},
+        hardware=hardware or hardware_for_tests(), job=job or JobSpec(),
+        options=PlannerOptions(prefetch_depth=prefetch_depth), lazytrain_version="test",
+    )
+
+
+# The plan families of issue 3's exactness suite, for a model with L blocks.
+def plan_families(num_blocks: int) -> dict[str, dict[str, Any]]:
+    L = num_blocks
+    return {
+        "all_resident": {},
+        "recompute_all": {"segments": [(0, L + 1)]},
+        "mixed_segments": {"segments": [(1, 2), (L, L + 1)] if L >= 3 else [(1, 1)],
+                           "overrides": {"embed": {"activation_tier": "host"}}},
+        "acts_host": {"activation_tier": "host"},
+        "acts_nvme": {"activation_tier": "nvme", "segments": [(2, L)] if L >= 3 else []},
+        "params_host": {"param_tier": "host", "prefetch_depth": 3},
+        "params_nvme": {"param_tier": "nvme", "grad_tier": "nvme", "optimizer_tier": "nvme",
+                        "segments": [(1, 2)] if L >= 3 else []},
+    }
+
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+    "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+    "mixtral": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                    num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype: str = "float32", **overrides: Any):
+    """A randomly initialised tiny HF causal LM of `family` (llama | qwen2 | mixtral)."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(family, **{"tie_word_embeddings": False,
+                                                       **TINY_CONFIGS[family], **overrides})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
+
+
+def random_batches(n_micro: int, seed: int, batch: int = 2, seq: int = 12, vocab: int = 128):
+    """`n_micro` (input_ids, labels) pairs of random tokens; a few labels are -100 (ignored)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_micro):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        out.append((ids, labels))
+    return out
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| (the exactness suite's measure)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))

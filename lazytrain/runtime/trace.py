@@ -1,0 +1,56 @@
+"""Trace of every transfer and compute, in the planner simulator's vocabulary, written as JSONL."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+EVENT_KINDS = ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h", "nvme_read", "nvme_write",
+               "optimizer")
+
+
+class Trace:
+    """Collects events (kind, layer, start_s, end_s, bytes, tier); `flush` appends them as JSONL."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path else None
+        self.t0 = time.perf_counter()
+        self.step = 0
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def add(self, kind: str, layer: str, start_s: float, end_s: float, nbytes: int = 0,
+            tier: str = "device") -> None:
+        if self.path is None:
+            return
+        ev = {"step": self.step, "kind": kind, "layer": layer, "start_s": round(start_s, 6),
+              "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier}
+        with self._lock:
+            self.events.append(ev)
+
+    @contextmanager
+    def span(self, kind: str, layer: str, nbytes: int = 0, tier: str = "device") -> Iterator[None]:
+        t = self.now()
+        try:
+            yield
+        finally:
+            self.add(kind, layer, t, self.now(), nbytes, tier)
+
+    def flush(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            evs, self.events = self.events, []
+        with self.path.open("a") as f:
+            for ev in evs:
+                f.write(json.dumps(ev) + "\n")

@@ -1,0 +1,139 @@
+"""Tier stores behind one interface: a store holds named flat byte regions on host RAM or in files.
+
+`HostStore` keeps one (pinned, when CUDA is the device) aligned buffer per key. `NvmeStore` keeps
+one file per key in `nvme_dir`, read and written with O_DIRECT where the filesystem allows (see
+aligned_io.DirectFile) on an IOPool so transfers overlap compute. Buffers handed to an NVMe store
+must come from `aligned_empty` and have `round_up`-ed lengths.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .aligned_io import DirectFile, IOPool, aligned_empty, round_up
+
+
+class FlatStore(Protocol):
+    tier: str
+
+    def allocate(self, key: str, nbytes: int) -> None: ...
+    def read_into(self, key: str, buf: torch.Tensor) -> Future: ...
+    def write_from(self, key: str, buf: torch.Tensor) -> Future: ...
+    def close(self) -> None: ...
+
+
+class _Done(Future):
+    def __init__(self, value: object = None) -> None:
+        super().__init__()
+        self.set_result(value)
+
+
+class HostStore:
+    """Flat buffers in host RAM (pinned for fast, asynchronous copies when `pin`)."""
+    tier = "host"
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def allocate(self, key: str, nbytes: int) -> torch.Tensor:
+        buf = aligned_empty(round_up(max(nbytes, 1)), pin=self.pin)
+        self.bufs[key] = buf
+        return buf
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.bufs[key]
+
+    def read_into(self, key: str, buf: torch.Tensor) -> Future:
+        src = self.bufs[key]
+        n = min(src.numel(), buf.numel())
+        buf[:n].copy_(src[:n])
+        return _Done(n)
+
+    def write_from(self, key: str, buf: torch.Tensor) -> Future:
+        dst = self.bufs[key]
+        n = min(dst.numel(), buf.numel())
+        dst[:n].copy_(buf[:n])
+        return _Done(n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.bufs.values())
+
+    def close(self) -> None:
+        self.bufs.clear()
+
+
+class NvmeStore:
+    """Flat regions in files under `root` (one file per key); async aligned I/O on `pool`."""
+    tier = "nvme"
+
+    def __init__(self, root: str | os.PathLike, pool: IOPool, direct: bool = True) -> None:
+        self.root = Path(root)
+        self.pool = pool
+        self.direct = direct
+        self.files: dict[str, DirectFile] = {}
+        self.sizes: dict[str, int] = {}
+
+    def allocate(self, key: str, nbytes: int) -> None:
+        size = round_up(max(nbytes, 1))
+        path = self.root / (key.replace("/", "_") + ".bin")
+        self.files[key] = DirectFile(path, "w", direct=self.direct, size_bytes=size)
+        self.sizes[key] = size
+
+    def read_into(self, key: str, buf: torch.Tensor) -> Future:
+        return self.pool.read(self.files[key], buf[:self.sizes[key]], 0)
+
+    def write_from(self, key: str, buf: torch.Tensor) -> Future:
+        return self.pool.write(self.files[key], buf[:self.sizes[key]], 0)
+
+    def read_sync(self, key: str, buf: torch.Tensor) -> None:
+        self.files[key].read_into(buf[:self.sizes[key]], 0)
+
+    def write_sync(self, key: str, buf: torch.Tensor) -> None:
+        self.files[key].write_from(buf[:self.sizes[key]], 0)
+
+    @property
+    def direct_io(self) -> bool:
+        return all(f.direct for f in self.files.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+
+def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
+    """The directory for NVMe-tier files, checked before training: exists, writable, big enough."""
+    if nvme_dir is None:
+        raise ValueError("the plan puts data on the nvme tier but no nvme_dir was given "
+                         "(set storage.nvme_dir=DIR)")
+    p = Path(nvme_dir)
+    if not p.is_dir():
+        raise ValueError(f"storage.nvme_dir {p} does not exist (create it or point to a local SSD)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"storage.nvme_dir {p} is not writable ({e.strerror})") from None
+    free = shutil.disk_usage(p).free
+    if free < need_bytes:
+        raise ValueError(f"storage.nvme_dir {p} has {free / 2**30:.2f} GiB free but the plan needs "
+                         f"{need_bytes / 2**30:.2f} GiB there")
+    return p
+
+
+def staging_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An aligned host buffer usable for O_DIRECT transfers of `nbytes` (rounded up)."""
+    return aligned_empty(round_up(max(nbytes, 1)), pin=pin)

@@ -1,0 +1,341 @@
+"""lazytrain vs DeepSpeed ZeRO-3 on this machine: same model, sequence, batch, dtype and optimizer.
+
+    .venv/bin/python scripts/bench_vs_deepspeed.py                    # ~6-10 min on 2 cores
+    .venv/bin/python scripts/bench_vs_deepspeed.py --engines ds-cpu,lt-host --steps 3
+
+Engines (each in its own subprocess, so its peak RSS is its own):
+  torch    plain in-memory PyTorch (bf16 autocast, fp32 weights, torch AdamW fused) - reference loss
+  ds-cpu   DeepSpeed ZeRO-3, offload_param + offload_optimizer to cpu, DeepSpeedCPUAdam
+  ds-nvme  DeepSpeed ZeRO-3, offload_param + offload_optimizer to nvme (async_io), DeepSpeedCPUAdam
+  lt-host  lazytrain StreamingExecutor, the MILP plan with parameters/optimizer pinned to host
+  lt-nvme  the same plan with parameters/optimizer pinned to nvme
+DeepSpeed's config comes from the same Plan via ds_config_from_plan (so both recompute the same
+blocks), every DeepSpeed setting is printed. Reported: median step time over --steps timed steps
+after --warmup, DeepSpeed's step time over the engine's (>1: faster than DeepSpeed; against ZeRO-3
+CPU offload and against the DeepSpeed row of the same tier), peak RSS, first-step loss minus plain PyTorch's, and the
+largest batch whose peak RSS fits --mem-limit-gib (extrapolated linearly from peak RSS measured at
+batch 1 and --probe-batch; marked "~").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ENGINES = ("torch", "ds-cpu", "ds-nvme", "lt-host", "lt-nvme")
+GiB = 1 << 30
+OPTIM = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+
+
+def model_config(a: argparse.Namespace) -> dict:
+    return dict(model_type="llama", hidden_size=a.hidden, intermediate_size=a.intermediate,
+                num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.heads,
+                vocab_size=a.vocab, max_position_embeddings=max(2048, a.seq), rms_norm_eps=1e-5,
+                tie_word_embeddings=False)
+
+
+# ---- plans (parent process; the planner imports no torch) --------------------------------------
+
+def make_plan(a: argparse.Namespace, batch: int, tier: str):
+    """The MILP plan for the cpu hardware profile with every layer's parameter and optimizer tier
+    pinned to `tier` (the planner decides recompute and activation placement)."""
+    from lazytrain.cli.config import hardware_spec, load_config
+    from lazytrain.plan import PlannerOptions, plan_job
+    from lazytrain.spec import JobSpec, ModelSpec
+    cfg = load_config(["hardware=cpu"])
+    hw = hardware_spec(cfg)
+    model = ModelSpec.from_hf_config(model_config(a), name="bench-llama")
+    job = JobSpec(batch_size=batch, seq_len=a.seq, mode="full", compute_dtype="bf16")
+    plan = plan_job(model, hw, job, PlannerOptions(time_limit_s=20), cache_dir=str(ROOT / "solver_cache"))
+    if not plan.fits:
+        raise RuntimeError("; ".join(plan.explanation))
+    # gradients stay in host memory: DeepSpeed cannot put them on NVMe, so neither does lazytrain here
+    layers = tuple(dataclasses.replace(d, param_tier=tier, optimizer_tier=tier, grad_tier="host")
+                   for d in plan.layers)
+    return dataclasses.replace(plan, layers=layers, method=plan.method + f"+pinned:{tier}")
+
+
+# ---- worker (one engine, one process) ----------------------------------------------------------
+
+def build_model(a: argparse.Namespace):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in model_config(a).items() if k != "model_type"}
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
+def batch_data(a: argparse.Namespace, batch: int):
+    import torch
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randint(0, a.vocab, (batch, a.seq), generator=g)
+    return [(x, x.clone())]
+
+
+def worker(a: argparse.Namespace) -> dict:
+    import torch
+    engine, batch = a.worker, a.batch
+    out: dict = {"engine": engine, "batch": batch}
+    t0 = time.perf_counter()
+    model = build_model(a)
+    data = batch_data(a, batch)
+    if engine == "torch":
+        model.train()
+        params = [p for p in model.parameters()]
+        opt = torch.optim.AdamW(params, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
+                                weight_decay=OPTIM["weight_decay"], fused=True)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=data[0][0], labels=data[0][1]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, OPTIM["max_grad_norm"])
+            opt.step()
+            return float(loss)
+        close = lambda: None  # noqa: E731
+    elif engine.startswith("ds-"):
+        from lazytrain.integrations.deepspeed import DeepSpeedTrainer
+        from lazytrain.plan import Plan
+        plan = Plan.from_json(Path(a.plan).read_text())
+        cfg = json.loads(Path(a.ds_config).read_text())
+        tr = DeepSpeedTrainer(model, ds_config=cfg, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
+                              weight_decay=OPTIM["weight_decay"], max_grad_norm=OPTIM["max_grad_norm"])
+        out["plan_hash"] = plan.input_hash
+        step = lambda: tr.train_step(data).loss  # noqa: E731
+        close = tr.close
+    else:
+        from lazytrain.plan import Plan
+        from lazytrain.runtime import StreamingExecutor
+        plan = Plan.from_json(Path(a.plan).read_text())
+        ex = StreamingExecutor(model.to(torch.bfloat16), plan, nvme_dir=a.nvme_dir, optimizer="adamw",
+                               lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
+                               weight_decay=OPTIM["weight_decay"], max_grad_norm=OPTIM["max_grad_norm"])
+        results = []
+
+        def step():
+            r = ex.train_step(data)
+            results.append(r)
+            return r.loss
+        close = ex.close
+        out["predicted_step_time_s"] = plan.predicted.step_time_s
+    out["init_s"] = time.perf_counter() - t0
+    out["torch_threads"] = torch.get_num_threads()
+    losses, times = [], []
+    for i in range(a.warmup + a.steps):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+    # bytes actually on the NVMe dir while the engine is alive (swap files, tier files)
+    out["nvme_bytes"] = sum(f.stat().st_size for f in Path(a.nvme_dir).rglob("*") if f.is_file())
+    close()
+    out["losses"] = losses
+    out["step_times_s"] = times[a.warmup:]
+    out["median_step_s"] = statistics.median(times[a.warmup:])
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+# ---- parent ------------------------------------------------------------------------------------
+
+def run_worker(a: argparse.Namespace, engine: str, batch: int, plan_path: Path | None,
+               ds_path: Path | None, steps: int, warmup: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", engine, "--batch", str(batch), "--steps", str(steps),
+           "--warmup", str(warmup), "--nvme-dir", a.nvme_dir] + _model_args(a)
+    if plan_path:
+        cmd += ["--plan", str(plan_path)]
+    if ds_path:
+        cmd += ["--ds-config", str(ds_path)]
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.worker_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"engine": engine, "batch": batch, "error": f"timed out after {a.worker_timeout_s:.0f} s"}
+    finally:  # swap files of this run (GBs): only our own subdir (see main), never left behind
+        shutil.rmtree(a.nvme_dir, ignore_errors=True)
+        Path(a.nvme_dir).mkdir(parents=True, exist_ok=True)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        return {"engine": engine, "batch": batch, "error": f"exit {p.returncode}: {tail[:160]}"}
+    r = json.loads(lines[-1][len("RESULT "):])
+    r["wall_s"] = time.perf_counter() - t
+    return r
+
+
+def _model_args(a: argparse.Namespace) -> list[str]:
+    return ["--hidden", str(a.hidden), "--intermediate", str(a.intermediate), "--layers", str(a.layers),
+            "--heads", str(a.heads), "--vocab", str(a.vocab), "--seq", str(a.seq)]
+
+
+def prepare(a: argparse.Namespace, engine: str, batch: int, tmp: Path) -> tuple[Path | None, Path | None, list[str], str | None]:
+    """Plan and DeepSpeed config files for one engine run; (plan, ds_config, dropped, pending reason)."""
+    if engine == "torch":
+        return None, None, [], None
+    tier = "nvme" if engine.endswith("nvme") else "host"
+    try:
+        plan = make_plan(a, batch, tier)
+    except Exception as e:  # the planner is being built alongside this script
+        return None, None, [], f"planner unavailable ({type(e).__name__}: {e})"
+    plan_path = tmp / f"plan-{tier}-b{batch}.json"
+    plan_path.write_text(plan.to_json())
+    if engine.startswith("lt-"):
+        try:
+            import importlib
+            importlib.import_module("lazytrain.runtime").StreamingExecutor  # noqa: B018
+        except Exception as e:
+            return None, None, [], f"StreamingExecutor not importable ({type(e).__name__}: {e})"
+        return plan_path, None, [], None
+    from lazytrain.integrations.deepspeed import check_available
+    from lazytrain.integrations.ds_config import ds_config_from_plan
+    msg = check_available(nvme=tier == "nvme")
+    if msg:
+        return None, None, [], msg
+    cfg, dropped = ds_config_from_plan(plan, nvme_dir=os.path.join(a.nvme_dir, f"ds-b{batch}"))
+    ds_path = tmp / f"ds-{tier}-b{batch}.json"
+    ds_path.write_text(json.dumps(cfg, indent=1))
+    return plan_path, ds_path, dropped, None
+
+
+def fmt_gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--steps", type=int, default=3, help="timed steps per engine (after warm-up)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="engines run interleaved this many times")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--probe-batch", type=int, default=4, help="second batch size for the RSS fit; 0: skip")
+    p.add_argument("--mem-limit-gib", type=float, default=12.0, help="peak-RSS limit for the max-batch column")
+    p.add_argument("--nvme-dir", default=os.path.join(tempfile.gettempdir(), "lazytrain-bench-nvme"))
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--worker-timeout-s", type=float, default=600)
+    p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--ds-config", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        print("RESULT " + json.dumps(worker(a)), flush=True)
+        return 0
+
+    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        print(f"unknown engine(s) {bad}; valid: {', '.join(ENGINES)}", file=sys.stderr)
+        return 2
+    a.nvme_dir = str(Path(a.nvme_dir) / "bench-vs-deepspeed")   # ours alone: emptied after each run
+    Path(a.nvme_dir).mkdir(parents=True, exist_ok=True)
+    n_params = sum(_param_counts(a))
+    print(f"model: Llama hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, {n_params / 1e6:.0f}M params; "
+          f"seq {a.seq}, batch {a.batch}, bf16 compute, AdamW lr {OPTIM['lr']} betas {OPTIM['betas']} "
+          f"eps {OPTIM['eps']} wd {OPTIM['weight_decay']}, clip {OPTIM['max_grad_norm']}; "
+          f"{a.rounds} interleaved round(s) x ({a.warmup} warm-up + {a.steps} timed steps); "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    rows: dict[str, dict] = {}
+    probes: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-vs-ds-") as tmpd:
+        tmp = Path(tmpd)
+        prepared = {e: prepare(a, e, a.batch, tmp) for e in engines}
+        for e, (plan_path, ds_path, dropped, pending) in prepared.items():
+            if pending:
+                rows[e] = {"engine": e, "pending": pending}
+                print(f"[{e}] pending: {pending}", flush=True)
+                continue
+            if ds_path:
+                print(f"[{e}] DeepSpeed config (from the plan; dropped: {dropped or 'none'}):\n"
+                      f"  {json.dumps(json.loads(ds_path.read_text()))}", flush=True)
+            if plan_path:
+                from lazytrain.plan import Plan
+                pl = Plan.from_json(plan_path.read_text())
+                rec = [d.name for d in pl.layers if d.recompute]
+                print(f"[{e}] plan {pl.method} {pl.input_hash}: recompute {rec or 'none'}, activations on "
+                      f"{sorted({d.activation_tier for d in pl.layers})}, predicted {pl.predicted.step_time_s:.2f} s/step",
+                      flush=True)
+        # Engines interleaved round by round, so a drift in machine load hits all of them alike.
+        for rnd in range(a.rounds):
+            for e, (plan_path, ds_path, _, pending) in prepared.items():
+                if pending or "error" in rows.get(e, {}):
+                    continue
+                r = run_worker(a, e, a.batch, plan_path, ds_path, a.steps, a.warmup)
+                print(f"[{e}] round {rnd + 1}: {json.dumps(r)}", flush=True)
+                if "error" in r or e not in rows:
+                    rows[e] = r
+                else:
+                    rows[e]["step_times_s"] += r["step_times_s"]
+                    rows[e]["peak_rss_bytes"] = max(rows[e]["peak_rss_bytes"], r["peak_rss_bytes"])
+                if "step_times_s" in rows[e]:
+                    rows[e]["median_step_s"] = statistics.median(rows[e]["step_times_s"])
+        for e, (_, _, _, pending) in prepared.items():
+            if a.probe_batch and not pending and "error" not in rows.get(e, {"error": 1}):
+                pp, dp, _, pend = prepare(a, e, a.probe_batch, tmp)
+                if not pend:
+                    probes[e] = run_worker(a, e, a.probe_batch, pp, dp, steps=1, warmup=0)
+                    print(f"[{e}] probe batch {a.probe_batch}: {json.dumps(probes[e])}", flush=True)
+    print_table(a, rows, probes)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs; above that, "
+          f"other processes shared the cores and absolute times are inflated)")
+    return 0
+
+
+def _param_counts(a: argparse.Namespace) -> list[int]:
+    from lazytrain.spec import ModelSpec
+    return [layer.param_count for layer in ModelSpec.from_hf_config(model_config(a)).layers]
+
+
+def print_table(a: argparse.Namespace, rows: dict[str, dict], probes: dict[str, dict]) -> None:
+    ref_loss = rows.get("torch", {}).get("losses", [None])[0]
+    peer = {"host": rows.get("ds-cpu", {}), "nvme": rows.get("ds-nvme", {})}
+    limit = a.mem_limit_gib * GiB
+    header = (f"{'engine':<8} {'step s (median)':>15} {'tokens/s':>9} {'vs DS cpu':>9} {'vs DS same tier':>15} "
+              f"{'peak RSS GiB':>12} "
+              f"{'loss0 - torch':>13} {f'max batch @{a.mem_limit_gib:g} GiB':>18}")
+    print("\n" + header)
+    print("-" * len(header))
+    for e, r in rows.items():
+        if "pending" in r or "error" in r:
+            print(f"{e:<8} {('pending: ' + r['pending']) if 'pending' in r else ('error: ' + r['error'])}")
+            continue
+        med = r["median_step_s"]
+        tier = "nvme" if e.endswith("nvme") else "host"
+        p = peer[tier]
+        ratio = f"{p['median_step_s'] / med:.2f}x" if "median_step_s" in p and e != "torch" else "-"
+        ratio_cpu = f"{peer['host']['median_step_s'] / med:.2f}x" if "median_step_s" in peer["host"] else "-"
+        dloss = f"{r['losses'][0] - ref_loss:+.4f}" if ref_loss is not None else "-"
+        mb = "-"
+        q = probes.get(e)
+        if q and "peak_rss_bytes" in q:
+            slope = (q["peak_rss_bytes"] - r["peak_rss_bytes"]) / (a.probe_batch - a.batch)
+            if r["peak_rss_bytes"] > limit:
+                mb = "0"
+            elif slope <= 0:
+                mb = f">={a.probe_batch}"
+            else:
+                mb = f"~{a.batch + int((limit - r['peak_rss_bytes']) // slope)}"
+        print(f"{e:<8} {med:>15.2f} {a.batch * a.seq / med:>9.0f} {ratio_cpu:>9} {ratio:>15} "
+              f"{fmt_gib(r['peak_rss_bytes']):>12} {dloss:>13} {mb:>18}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

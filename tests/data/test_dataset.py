@@ -1,0 +1,91 @@
+import json
+
+import pytest
+import torch
+
+from lazytrain.data.dataset import DataError, PackedDataset, build_dataset, expand_files, load_tokenizer
+from lazytrain.data.tokenizer import build_tokenizer
+
+TEXT = ("The for statement is used to iterate over the elements of a sequence. "
+        "Each item in turn is assigned to the target list.\n") * 40
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    (d / "t.txt").write_text(TEXT)
+    return load_tokenizer(build_tokenizer([d / "t.txt"], d / "tok", vocab_size=300))
+
+
+def test_packing_labels_and_eos(tmp_path, tok):
+    a, b = tmp_path / "a.txt", tmp_path / "b.jsonl"
+    a.write_text(TEXT)
+    b.write_text("\n".join(json.dumps({"text": f"document number {i} about iterables"}) for i in range(30)))
+    ds = build_dataset([a, b], tok, seq_len=16, seed=0)
+    stream = ds.sequences.flatten()
+    n_a = len(tok(TEXT, add_special_tokens=False)["input_ids"])
+    assert stream[n_a].item() == tok.eos_token_id  # EOS closes each document
+    assert int((stream == tok.eos_token_id).sum()) >= 30
+    bt = ds.batch(0, 4)
+    assert bt.input_ids.shape == (4, 16) and torch.equal(bt.input_ids, bt.labels)
+    assert tok.decode(ds.sequences[0]).startswith("The for statement")
+
+
+def test_order_is_deterministic_permutation_and_resumable(tmp_path, tok):
+    tokens = torch.arange(1000)
+    ds = PackedDataset(tokens, seq_len=10, seed=3)
+    firsts = [int(ds.sequence_at(i)[0]) // 10 for i in range(100)]
+    assert sorted(firsts) == list(range(100)) and firsts != list(range(100))  # an epoch: a permutation
+    epoch2 = [int(ds.sequence_at(100 + i)[0]) // 10 for i in range(100)]
+    assert sorted(epoch2) == list(range(100)) and epoch2 != firsts           # reshuffled per epoch
+    # resuming at a position gives exactly the stream an uninterrupted reader sees
+    full, pos = [], 0
+    for _ in range(30):
+        mbs, pos = ds.step_batches(pos, 3, 2)
+        full += [m.input_ids for m in mbs]
+    ds2 = PackedDataset(tokens, seq_len=10, seed=3)
+    rest, pos2 = [], 13 * 6
+    for _ in range(17):
+        mbs, pos2 = ds2.step_batches(pos2, 3, 2)
+        rest += [m.input_ids for m in mbs]
+    assert all(torch.equal(x, y) for x, y in zip(full[26:], rest)) and pos2 == pos
+    assert PackedDataset(tokens, 10, seed=4).sequence_at(0).tolist() != ds.sequence_at(0).tolist()
+
+
+def test_token_cache_roundtrip(tmp_path, tok):
+    a = tmp_path / "a.txt"
+    a.write_text(TEXT)
+    d1 = build_dataset([a], tok, 8, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("tokens-*.safetensors"))) == 1
+    d2 = build_dataset([a], tok, 8, cache_dir=tmp_path / "cache")
+    assert torch.equal(d1.sequences, d2.sequences)
+
+
+def test_directory_expands_to_text_and_jsonl(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "x.txt").write_text("a")
+    (tmp_path / "sub" / "y.jsonl").write_text("{}")
+    (tmp_path / "z.bin").write_bytes(b"\0")
+    assert [p.name for p in expand_files([tmp_path])] == ["y.jsonl", "x.txt"]
+
+
+@pytest.mark.parametrize("setup,match", [
+    (lambda d: [d / "missing.txt"], "does not exist"),
+    (lambda d: [(d / "e.txt", (d / "e.txt").write_text("  \n"))[0]], "hold no text"),
+    (lambda d: [(d / "b.jsonl", (d / "b.jsonl").write_text('{"text": "ok"}\n{oops\n'))[0]], r"b.jsonl:2: not valid JSON"),
+    (lambda d: [(d / "f.jsonl", (d / "f.jsonl").write_text('{"body": "x"}\n'))[0]], "no 'text' field"),
+    (lambda d: [(d / "s.txt", (d / "s.txt").write_text("short"))[0]], "fewer than one sequence"),
+    (lambda d: [(d / "empty", (d / "empty").mkdir())[0]], "holds no"),
+])
+def test_bad_data_one_line_errors(tmp_path, tok, setup, match):
+    with pytest.raises(DataError, match=match) as ei:
+        build_dataset(setup(tmp_path), tok, seq_len=64)
+    assert "\n" not in str(ei.value)
+
+
+def test_missing_tokenizer_dir(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path / "empty")

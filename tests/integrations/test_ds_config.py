@@ -1,0 +1,95 @@
+"""Plan -> DeepSpeed config: pure mapping, no torch or deepspeed needed."""
+
+import sys
+
+import pytest
+
+from lazytrain.integrations.ds_config import ds_config_from_plan, largest_param_numel
+from lazytrain.spec import JobSpec
+
+from ds_plan_factory import TINY_LLAMA, make_plan
+
+
+def test_host_plan_offloads_params_and_optimizer_to_cpu():
+    cfg, dropped = ds_config_from_plan(make_plan())
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3
+    assert z["offload_param"]["device"] == "cpu"
+    assert z["offload_optimizer"]["device"] == "cpu"
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 1
+    assert cfg["bf16"] == {"enabled": True}
+    assert cfg["lazytrain"]["recompute_blocks"] == []
+    assert dropped == []
+
+
+def test_device_params_are_not_offloaded_and_job_maps():
+    plan = make_plan(param_tier="device", job=JobSpec(batch_size=3, seq_len=16, grad_accum=4,
+                                                      compute_dtype="fp32"))
+    cfg, _ = ds_config_from_plan(plan)
+    assert "offload_param" not in cfg["zero_optimization"]
+    assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 4
+    assert "bf16" not in cfg and "fp16" not in cfg
+
+
+def test_nvme_plan_uses_the_settings_that_work_here(tmp_path):
+    cfg, dropped = ds_config_from_plan(make_plan(param_tier="nvme", optimizer_tier="nvme"),
+                                       nvme_dir=str(tmp_path))
+    z = cfg["zero_optimization"]
+    assert z["offload_param"]["device"] == "nvme" and z["offload_param"]["nvme_path"] == str(tmp_path)
+    assert z["offload_optimizer"]["device"] == "nvme"
+    assert z["stage3_max_reuse_distance"] == 0
+    assert z["offload_param"]["buffer_count"] == 32
+    # the embedding (vocab x hidden) is the largest tensor of the tiny model
+    assert z["offload_param"]["buffer_size"] >= 256 * 64 == largest_param_numel(TINY_LLAMA)
+    assert dropped == []
+
+
+def test_mixed_tiers_take_the_majority_and_report_the_rest():
+    # blocks 0..3 (indices 1..4) on nvme hold most parameters; embed/head on host
+    plan = make_plan(param_tier="host", overrides={i: {"param_tier": "nvme"} for i in range(1, 5)})
+    cfg, dropped = ds_config_from_plan(plan)
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "nvme"
+    assert len(dropped) == 1 and "param_tier=host for embed, head" in dropped[0]
+
+
+def test_recompute_maps_to_blocks_and_segments_and_offload_are_dropped():
+    # one segment over blocks 1..2 (indices 2,3) kept on host, block 3 (index 4) alone, head recomputed
+    plan = make_plan(recompute=frozenset({2, 3, 4, 5}), segment_starts={2: 2, 3: 2, 4: 4, 5: 5},
+                     activation_tiers={2: "host", 3: "none", 1: "nvme"})
+    cfg, dropped = ds_config_from_plan(plan)
+    assert cfg["lazytrain"]["recompute_blocks"] == [1, 2, 3]
+    text = "\n".join(dropped)
+    assert "recompute of head" in text
+    assert "segment block.1..block.2 recomputed per layer (keeps 2 inputs" in text
+    assert "activation_tier=host for block.1" in text
+    assert "activation_tier=nvme for block.0" in text
+    assert len(dropped) == 4
+
+
+def test_grad_nvme_and_8bit_are_reported():
+    plan = make_plan(overrides={1: {"grad_tier": "nvme"}}, job=JobSpec(batch_size=1, seq_len=8,
+                                                                         optimizer_state_bits=8))
+    _, dropped = ds_config_from_plan(plan)
+    assert any("grad_tier=nvme for block.0" in d for d in dropped)
+    assert any("optimizer_state_bits=8" in d for d in dropped)
+
+
+def test_overrides_deep_merge():
+    cfg, _ = ds_config_from_plan(make_plan(), overrides={
+        "zero_optimization": {"offload_param": {"device": "none"}, "sub_group_size": 7}, "x": 1})
+    z = cfg["zero_optimization"]
+    assert z["offload_param"]["device"] == "none" and z["sub_group_size"] == 7
+    assert z["offload_optimizer"]["device"] == "cpu" and cfg["x"] == 1
+
+
+def test_infeasible_plan_is_refused_with_its_explanation():
+    with pytest.raises(ValueError, match="needs 3 GiB more"):
+        ds_config_from_plan(make_plan(status="infeasible"))
+
+
+def test_config_module_imports_no_torch():
+    import subprocess
+    code = ("import sys, lazytrain.integrations.ds_config, lazytrain.cli.plan_export; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

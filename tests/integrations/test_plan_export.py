@@ -1,0 +1,47 @@
+"""`lazytrain plan export-deepspeed`: file in, config out, dropped decisions printed, bad input one line."""
+
+import json
+
+from ds_plan_factory import make_plan
+
+from lazytrain.cli.plan_export import main
+
+
+def test_export_writes_config_and_lists_dropped(tmp_path, capsys):
+    plan = make_plan(recompute=frozenset({2, 3}), segment_starts={2: 2, 3: 2}, activation_tiers={2: "nvme"})
+    src = tmp_path / "plan.json"
+    src.write_text(plan.to_json())
+    out = tmp_path / "sub" / "ds.json"
+    rc = main([str(src), "--out", str(out), "--set", "zero_optimization.sub_group_size=1000",
+               "--set", "zero_optimization.offload_param.pin_memory=true"])
+    assert rc == 0
+    cfg = json.loads(out.read_text())
+    assert cfg["zero_optimization"]["sub_group_size"] == 1000
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert cfg["lazytrain"]["recompute_blocks"] == [1, 2]
+    text = capsys.readouterr().out
+    assert "2 plan decision(s) DeepSpeed cannot express" in text
+    assert "segment block.1..block.2" in text and "activation_tier=nvme for block.1" in text
+
+
+def test_export_all_expressed(tmp_path, capsys):
+    src = tmp_path / "plan.json"
+    src.write_text(make_plan().to_json())
+    assert main([str(src), "--out", str(tmp_path / "ds.json")]) == 0
+    assert "every plan decision is expressed" in capsys.readouterr().out
+
+
+def test_bad_inputs_give_one_line_and_exit_2(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not found" in err and len(err.splitlines()) == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 99}')
+    assert main([str(bad), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a lazytrain plan" in err and len(err.splitlines()) == 1
+    inf = tmp_path / "inf.json"
+    inf.write_text(make_plan(status="infeasible").to_json())
+    assert main([str(inf), "--out", str(tmp_path / "o.json")]) == 2
+    assert "infeasible" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()

@@ -1,0 +1,54 @@
+import json
+import shutil
+
+import yaml
+
+from lazytrain.cli import profile as cli
+from lazytrain.cli.config import config_dir, load_config, model_spec
+from lazytrain.profile.layers import measure_layers
+from lazytrain.profile.links import measure_copies, measure_disk
+from lazytrain.spec import HardwareSpec, MiB
+
+
+def test_copy_and_disk_rates_are_measured(tmp_path):
+    c = measure_copies(8 * MiB, repeats=2)
+    assert c.h2d_pageable_gbps > 0 and c.d2h_pageable_gbps > 0
+    assert (c.h2d_pinned_gbps is None) == (c.device == "cpu")
+    d = measure_disk(tmp_path, 8 * MiB, repeats=1, chunk_bytes=1 * MiB)
+    assert d.read_gbps > 0 and d.write_gbps > 0 and d.size_bytes == 8 * MiB
+    assert d.direct == (d.reason == "O_DIRECT")
+    assert not list(tmp_path.iterdir())  # the probe file is removed
+
+
+def test_layer_times_cover_every_planner_layer():
+    spec = model_spec(load_config(["model=tiny-llama"]))
+    lts = measure_layers(spec, 1, 16, "fp32", repeats=1)
+    assert [lt.name for lt in lts] == [ls.name for ls in spec.layers]
+    blocks = [lt for lt in lts if lt.name.startswith("block.")]
+    assert all(lt.fwd_s > 0 and lt.bwd_s > 0 and lt.flops_fwd > 0 for lt in blocks)
+
+
+def test_profile_cli_writes_a_loadable_hardware_config(tmp_path, capsys, monkeypatch):
+    cfgs = tmp_path / "configs"
+    shutil.copytree(config_dir(), cfgs)
+    (cfgs / "hardware" / "measured.yaml").unlink(missing_ok=True)
+    monkeypatch.setenv("LAZYTRAIN_CONFIG_DIR", str(cfgs))
+    (tmp_path / "ssd").mkdir()
+    rc = cli.main(["hardware=cpu", "model=tiny-llama", "job.seq_len=16", "--size-mib", "4",
+                   "--repeats", "1", "--nvme-dir", str(tmp_path / "ssd")])
+    assert rc == 0, capsys.readouterr().err
+    out = cfgs / "hardware" / "measured.yaml"
+    hw = HardwareSpec.from_dict(yaml.safe_load(out.read_text()))
+    base = HardwareSpec.from_dict(yaml.safe_load((cfgs / "hardware" / "cpu.yaml").read_text()))
+    assert hw.name == "measured" and hw.device_memory_gib == base.device_memory_gib
+    assert hw.h2d_gbps > 0 and hw.nvme_read_gbps > 0 and 0 < hw.efficiency <= 1
+    assert hw.nvme_read_gbps != base.nvme_read_gbps  # measured, not copied
+    det = json.loads((cfgs / "hardware" / "measured.profile.json").read_text())
+    assert len(det["layers"]) == 6 and det["disk"]["direct"] in (True, False)
+    cfg = load_config(["hardware=measured"])           # what `plan|train hardware=measured` compose
+    assert cfg.hardware.name == "measured"
+
+
+def test_profile_cli_bad_nvme_dir(tmp_path, capsys):
+    rc = cli.main(["hardware=cpu", "--nvme-dir", str(tmp_path / "nope"), "--no-layers"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err

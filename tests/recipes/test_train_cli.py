@@ -1,0 +1,211 @@
+"""`lazytrain train` through the Hydra app: outputs, saved models, and bad input (one line, exit 2,
+nothing written)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from lazytrain.cli import train as cli
+
+
+def _main(args, capsys):
+    rc = cli.main(list(args))
+    return rc, capsys.readouterr()
+
+
+SMALL_BUDGET = ["hardware.device_memory_gib=0.002", "hardware.workspace_gib=0.0001"]
+
+
+def test_hydra_run_writes_outputs(base_overrides, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "engine=lazytrain", *SMALL_BUDGET, "job.max_steps=4",
+                    "save_every=2", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert "plan " in io.out and "loss: first" in io.out
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for k in ("loss", "tokens_per_s", "device_peak_bytes", "lr", "grad_norm"):
+        assert all(r[k] is not None for r in recs), k
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["status"] in ("optimal", "feasible")
+    assert all(0 < r["device_peak_bytes"] <= 0.002 * 2**30 for r in recs)  # the accountant's budget
+    trace = [json.loads(l) for l in (out / "trace.jsonl").read_text().splitlines()]
+    assert trace and {"start_s", "end_s"} <= set(trace[0]) | {"start_s", "end_s"}
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+
+
+def _final_state(out, mode):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if mode == "full":
+        return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    from peft import PeftModel
+
+    from lazytrain.cli.config import load_config, model_spec
+    hf = dict(model_spec(load_config(["model=tiny-llama", "model.hf_config.vocab_size=320"])).hf_config)
+    torch.manual_seed(0)  # the recipe's seed: the same random base
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    return {k: v for k, v in PeftModel.from_pretrained(base, out / "final").state_dict().items()
+            if "lora_" in k}
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_saved_model_loads_and_engines_agree(base_overrides, tmp_path, capsys, mode):
+    """Full FT saves an HF dir `from_pretrained` loads; LoRA a PEFT adapter dir; the streamed run
+    (small budget) ends with the same weights as plain PyTorch."""
+    states = {}
+    for engine in ("torch", "lazytrain"):
+        out = tmp_path / engine
+        rc, io = _main([*base_overrides, f"engine={engine}", f"job.mode={mode}", "job.lora_rank=4",
+                        "job.max_steps=3", f"output_dir={out}",
+                        *(SMALL_BUDGET if engine == "lazytrain" else [])], capsys)
+        assert rc == 0, io.err
+        assert (out / "final" / ("adapter_config.json" if mode == "lora" else "config.json")).is_file()
+        states[engine] = _final_state(out, mode)
+    a, b = states["torch"], states["lazytrain"]
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    if mode == "lora":
+        assert any(float(v.abs().sum()) > 0 for k, v in a.items() if "lora_B" in k)  # trained (B starts at 0)
+
+
+def test_multirun_sweeps(base_overrides, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, io = _main(["--multirun", *base_overrides, "job.max_steps=2", "optim.lr=1e-3,2e-3",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert rc == 0, io.err
+    runs = sorted((tmp_path / "sweep").glob("*/metrics.jsonl"))
+    assert len(runs) == 2
+    lrs = [json.loads(r.read_text().splitlines()[-1])["lr"] for r in runs]
+    assert lrs[0] != lrs[1]
+
+
+def _bad(capsys, args, tmp_path, match):
+    out = tmp_path / "never"
+    rc, io = _main([*args, f"output_dir={out}"], capsys)
+    assert rc == 2
+    err = io.err.strip()
+    assert match in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+    return err
+
+
+def test_missing_model_path(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, f"model.path={tmp_path / 'nope'}"], tmp_path, "does not exist")
+
+
+def test_missing_tokenizer(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, f"data.tokenizer={tmp_path / 'notok'}"], tmp_path,
+         "tokenizer dir")
+
+
+def test_missing_data_and_empty_data(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, f"data.files=[{tmp_path / 'nofile.txt'}]"], tmp_path, "does not exist")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    _bad(capsys, [*base_overrides, f"data.files=[{tmp_path / 'empty.txt'}]"], tmp_path, "no text")
+
+
+def test_seq_len_longer_than_model(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, "job.seq_len=4096"], tmp_path, "longer than the model allows")
+
+
+def test_nvme_dir_missing_and_not_writable(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, f"storage.nvme_dir={tmp_path / 'nvme'}"], tmp_path, "does not exist")
+    if os.geteuid() != 0:  # root can write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        _bad(capsys, [*base_overrides, f"storage.nvme_dir={ro}"], tmp_path, "not writable")
+
+
+def test_nvme_dir_too_small(base_overrides, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import lazytrain.recipes.train as T
+    (tmp_path / "nvme").mkdir()
+    monkeypatch.setattr(T, "plan_nvme_bytes", lambda plan: 1 << 40)  # a plan that spills 1 TiB
+    _bad(capsys, [*base_overrides, f"storage.nvme_dir={tmp_path / 'nvme'}"], tmp_path,
+         "the plan puts 1024.0 GiB on NVMe")
+
+
+def test_unknown_engine_and_model(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, "engine=jax"], tmp_path, "unknown engine")
+    _bad(capsys, [*base_overrides, "model=no-such-model"], tmp_path, "unknown model")
+
+
+def test_budget_too_small_exits_2_with_explanation(base_overrides, tmp_path, capsys):
+    err = _bad(capsys, [*base_overrides, "hardware.device_memory_gib=0.0001",
+                        "hardware.host_memory_gib=4.0002", "hardware.nvme_capacity_gib=0"],
+               tmp_path, "does not fit")
+    from lazytrain.cli.config import hardware_spec, load_config, model_spec, planner_options
+    from lazytrain.plan import plan_job
+    from lazytrain.recipes.train import job_spec_of
+    cfg = load_config([o for o in base_overrides if not o.startswith("data")] + [
+        "hardware.device_memory_gib=0.0001", "hardware.host_memory_gib=4.0002",
+        "hardware.nvme_capacity_gib=0"], config_name="train")
+    plan = plan_job(model_spec(cfg), hardware_spec(cfg), job_spec_of(cfg)[0], planner_options(cfg),
+                    cache_dir=None)
+    assert not plan.fits and plan.explanation and plan.explanation[0] in err  # the planner's words
+
+
+def test_local_hf_model_dir_with_its_tokenizer(base_overrides, text_data, tmp_path, capsys):
+    """model.path=DIR: from_pretrained weights; the tokenizer defaults to the model dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lazytrain.cli.config import load_config, model_spec
+    hf = dict(model_spec(load_config(["model=tiny-llama", "model.hf_config.vocab_size=320"])).hf_config)
+    torch.manual_seed(5)
+    src = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    mdir = tmp_path / "my-model"
+    src.save_pretrained(mdir)
+    AutoTokenizer.from_pretrained(text_data[1]).save_pretrained(mdir)
+    ov = [o for o in base_overrides if not o.startswith(("model=", "model.hf_config", "data.tokenizer"))]
+    out = tmp_path / "run"
+    rc, io = _main([*ov, f"model.path={mdir}", "job.mode=lora", "job.lora_rank=2", "job.max_steps=2",
+                    "optim.lr=0", "optim.warmup_steps=0", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    # lr 0: the first loss is the loaded model's own loss on the first batch
+    from lazytrain.data.dataset import build_dataset, load_tokenizer
+    ds = build_dataset([text_data[0]], load_tokenizer(mdir), 32, seed=0)
+    b = ds.batch(0, 2)
+    with torch.no_grad():
+        want = float(src(input_ids=b.input_ids, labels=b.labels).loss)
+    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(got - want) < 1e-5 * want
+    (mdir / "model.safetensors").unlink()
+    _bad(capsys, [*ov, f"model.path={mdir}"], tmp_path, "holds no *.safetensors")
+
+
+def test_hardware_measured_without_a_profile(base_overrides, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from lazytrain.cli.config import config_dir
+    cfgs = tmp_path / "configs"
+    shutil.copytree(config_dir(), cfgs)
+    (cfgs / "hardware" / "measured.yaml").unlink(missing_ok=True)
+    monkeypatch.setenv("LAZYTRAIN_CONFIG_DIR", str(cfgs))
+    _bad(capsys, [*base_overrides, "hardware=measured"], tmp_path, "run `lazytrain profile")
+
+
+def test_disk_error_during_run_names_the_file(base_overrides, tmp_path, capsys, monkeypatch):
+    import lazytrain.recipes.checkpoint as C
+    real = C.save_file
+    calls = {"n": 0}
+
+    def fail_second_engine_save(tensors, path, *a, **k):
+        if path.endswith("engine.safetensors"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(28, "No space left on device")
+        return real(tensors, path, *a, **k)
+    monkeypatch.setattr(C, "save_file", fail_second_engine_save)
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=4", "save_every=2", f"output_dir={out}"], capsys)
+    assert rc == 1
+    assert "disk error: [Errno 28] write checkpoint" in io.err and "step_000004" in io.err
+    assert "No space left on device" in io.err and "Traceback" not in io.err
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"

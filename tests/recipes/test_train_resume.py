@@ -1,0 +1,100 @@
+"""Checkpoint / resume: the per-step losses after resuming equal an uninterrupted run's."""
+
+import json
+
+import pytest
+import torch
+
+from lazytrain.cli.config import load_config
+from lazytrain.recipes import checkpoint as ckpt
+from lazytrain.recipes.train import lr_at, run
+
+
+def _losses(out):
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(overrides, out, *extra):
+    cfg = load_config([*overrides, f"output_dir={out}", *extra], config_name="train")
+    return run(cfg, out, echo=lambda *_: None)
+
+
+# lazytrain at a budget below the model's training state: the plan streams / offloads / recomputes.
+SMALL_BUDGET = ["hardware.device_memory_gib=0.002", "hardware.workspace_gib=0.0001"]
+
+
+@pytest.mark.parametrize("engine,mode", [("torch", "full"), ("torch", "lora"),
+                                         ("lazytrain", "full"), ("lazytrain", "lora")])
+def test_resume_equals_uninterrupted(base_overrides, tmp_path, engine, mode):
+    ov = [*base_overrides, f"job.mode={mode}", "job.max_steps=7", "job.grad_accum=2", "save_every=0",
+          f"engine={engine}", *(SMALL_BUDGET if engine == "lazytrain" else [])]
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(ov, a)
+    _run(ov, b, "stop_at_step=3")
+    assert [r["step"] for r in _losses(b)] == [1, 2, 3]
+    assert ckpt.latest_checkpoint(b / "checkpoints").name == "step_000003"
+    assert not (b / "final").exists()                 # stopped, not finished
+    torch.manual_seed(1234)                           # resume must not depend on the caller's RNG
+    s = _run(ov, b, "resume=true")
+    assert s["start_step"] == 3 and s["end_step"] == 7
+    la, lb = _losses(a), _losses(b)
+    assert [r["step"] for r in lb] == list(range(1, 8))
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]          # exact, every step
+    assert [r["data_position"] for r in la] == [r["data_position"] for r in lb]
+    assert la[-1]["loss"] < la[0]["loss"]
+    if engine == "lazytrain":
+        plan = json.loads((a / "plan.json").read_text())
+        assert any(d["param_tier"] != "device" for d in plan["layers"])  # it really streams
+
+
+def test_resume_without_checkpoint_starts_fresh(base_overrides, tmp_path):
+    s = _run([*base_overrides, "job.max_steps=2", "resume=true"], tmp_path / "c")
+    assert s["start_step"] == 0 and s["end_step"] == 2
+
+
+def test_lr_schedule_warmup_then_cosine():
+    lrs = [lr_at(s, 1.0, 4, 20, 0.1) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(x >= y for x, y in zip(lrs[3:], lrs[4:]))
+    assert abs(lr_at(20, 1.0, 4, 20, 0.1) - 0.1) < 1e-12
+
+
+def test_failed_checkpoint_write_keeps_last(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    ckpt.save_checkpoint(root, 1, {"data_position": 5}, engine_tensors={"w": torch.ones(3)})
+    import lazytrain.recipes.checkpoint as C
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(C, "save_file", boom)
+    with pytest.raises(OSError, match=r"write checkpoint .*step_000002.*last checkpoint is intact"):
+        ckpt.save_checkpoint(root, 2, {"data_position": 9}, engine_tensors={"w": torch.zeros(3)})
+    monkeypatch.undo()
+    last = ckpt.latest_checkpoint(root)
+    assert last.name == "step_000001" and not list(root.glob(".step_*"))
+    state, t = ckpt.load_checkpoint(last)
+    assert state["data_position"] == 5 and torch.equal(t["w"], torch.ones(3))
+
+
+def test_checkpoint_restores_rng_and_prunes(tmp_path):
+    import random
+    root = tmp_path / "ck"
+    torch.manual_seed(7)
+    random.seed(7)
+    for s in (1, 2, 3):
+        ckpt.save_checkpoint(root, s, {"data_position": s}, engine_tensors={"w": torch.full((2,), s)},
+                             keep_last=2)
+    expect = (torch.rand(3), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    state, t = ckpt.load_checkpoint(ckpt.latest_checkpoint(root))
+    assert torch.equal(torch.rand(3), expect[0]) and random.random() == expect[1]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
+
+
+def test_resume_refuses_a_different_job(base_overrides, tmp_path):
+    from lazytrain.cli.config import ConfigError
+    out = tmp_path / "r"
+    _run([*base_overrides, "job.max_steps=3"], out, "stop_at_step=1")
+    with pytest.raises(ConfigError, match="cannot resume: the checkpoint was written with dataset="):
+        _run([*base_overrides, "job.max_steps=3", "job.seq_len=16"], out, "resume=true")
