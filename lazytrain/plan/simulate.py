@@ -36,12 +36,15 @@ class Timeline:
     compute_s: float
     recompute_s: float
     peak_bytes: dict[str, int]
-    events: tuple[Event, ...] = field(repr=False)
-    device_curve: tuple[tuple[float, int], ...] = field(repr=False)  # (time_s, bytes) per op
+    serial_optimizer_s: float = 0.0   # optimizer time on the compute resource (not overlapped)
+    events: tuple[Event, ...] = field(repr=False, default=())
+    device_curve: tuple[tuple[float, int], ...] = field(repr=False, default=())  # (time_s, bytes)
 
     @property
     def exposed_transfer_s(self) -> float:
-        return max(0.0, self.step_time_s - self.compute_s - self.recompute_s)
+        """Step time not explained by compute, recompute or an optimizer that shares the compute
+        resource (CPU-as-device): the transfers that could not hide."""
+        return max(0.0, self.step_time_s - self.compute_s - self.recompute_s - self.serial_optimizer_s)
 
 
 def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
@@ -171,7 +174,7 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     events: list[Event] = []
     t = 0.0
     peaks, curve = memory_peaks(costs, a, depth)
-    compute_s = recompute_s = 0.0
+    compute_s = recompute_s = serial_opt_s = 0.0
     window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
@@ -189,8 +192,10 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
                     compute_s += dur
                 elif kind == "recompute":
                     recompute_s += dur
+                elif kind == "optimizer" and res == "compute":
+                    serial_opt_s += dur
             window_start[m, k] = t
             t = max([t] + list(cursor.values()))
     device_curve = [(window_start[m, k], nbytes) for m in range(G) for k, nbytes in curve]
-    return Timeline(step_time_s=t, compute_s=compute_s, recompute_s=recompute_s, peak_bytes=peaks,
+    return Timeline(step_time_s=t, compute_s=compute_s, recompute_s=recompute_s, peak_bytes=peaks, serial_optimizer_s=serial_opt_s,
                     events=tuple(events), device_curve=tuple(device_curve))

@@ -17,6 +17,7 @@ from .heuristics import HEURISTICS, heuristic_pins
 from .milp import MilpResult, Pins, solve_milp
 from .plan import SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
 from .simulate import Timeline, simulate
+from .simplify import simplify
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
                method: str, h: str, costs: JobCosts, r: MilpResult) -> Plan:
     a = r.assignment
     assert a is not None
+    if method == "milp":  # equally fast but simpler: fewer transfers, faster tiers (simplify.py)
+        a = simplify(costs, a, hw, depth=options.prefetch_depth)
     tl = simulate(costs, a, hw, depth=options.prefetch_depth)
     L = model.num_layers
     decisions: list[LayerDecision] = []

@@ -158,3 +158,17 @@ def test_golden_plans_in_solver_cache_load():
         again = plan_job(model, plan.hardware, plan.job, plan.options, cache_dir=None)
         assert again.fits
         assert abs(again.predicted.step_time_s / plan.predicted.step_time_s - 1) < 0.02, p.name
+
+
+def test_plans_are_simplified_without_getting_slower(small):
+    """Within the MIP gap the solver may return an equally fast plan that streams from NVMe while
+    the device has room; the simplification pass moves such items to faster tiers."""
+    from lazytrain.costmodel import job_costs
+    from lazytrain.plan.milp import solve_milp
+    model, h, job = small
+    roomy = replace(h, device_memory_gib=4.0)
+    plan = plan_job(model, roomy, job, cache_dir=None)
+    assert all(d.param_tier == "device" for d in plan.layers)
+    assert all(d.activation_tier in ("device", "none") for d in plan.layers)
+    raw = solve_milp(job_costs(model, roomy, job), roomy)
+    assert plan.predicted.step_time_s <= raw.objective_s * (1 + 1e-9)

@@ -1,0 +1,78 @@
+"""Post-solve simplification. The MILP stops within `planner.mip_gap` of the optimum, and its
+tie-breakers (prefer less traffic) sit below that tolerance, so an equally fast plan may stream
+parameters from NVMe while the device has room. This pass moves kept activations, parameters and
+optimizer/gradient state to faster tiers one at a time, keeping a move only if every capacity still
+holds and the simulated step time does not grow. It never makes a plan slower."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..costmodel import JobCosts
+from ..spec import HardwareSpec
+from .assignment import Assignment
+from .simulate import _rate, _window_items, memory_peaks
+
+ORDER = {"device": 0, "host": 1, "nvme": 2}
+
+
+def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int) -> float:
+    """The simulator's step time without building events (sum over windows of the busiest resource)."""
+    total = 0.0
+    for final, times in ((True, 1), (False, costs.grad_accum - 1)):
+        if times == 0:
+            continue
+        for items in _window_items(costs, a, hw, final, depth):
+            busy: dict[str, float] = {}
+            for res, _, _, _, amount in items:
+                rate = _rate(hw, res)
+                busy[res] = busy.get(res, 0.0) + (amount / rate if rate else amount)
+            total += times * max(busy.values(), default=0.0)
+    return total
+
+
+def _fits(costs: JobCosts, a: Assignment, depth: int) -> bool:
+    peaks, _ = memory_peaks(costs, a, depth)
+    return (peaks["device"] <= costs.device_capacity_bytes and peaks["host"] <= costs.host_capacity_bytes
+            and peaks["nvme"] <= costs.nvme_capacity_bytes)
+
+
+def simplify(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2,
+             budget_s: float = 2.0) -> Assignment:
+    t_end = time.perf_counter() + budget_s
+    best = step_time_s(costs, a, hw, depth)
+    tol = 1e-9 * max(best, 1e-12)
+
+    def try_move(cand: Assignment) -> bool:
+        nonlocal a, best
+        if not _fits(costs, cand, depth):
+            return False
+        t = step_time_s(costs, cand, hw, depth)
+        if t <= best + tol:
+            a, best = cand, min(best, t)
+            return True
+        return False
+
+    # kept activations, then parameters, then optimizer and gradient state: fastest tier first
+    for i, seg in enumerate(a.segments):
+        for tier in ("device", "host"):
+            if time.perf_counter() > t_end or ORDER[tier] >= ORDER[seg.tier]:
+                break
+            segs = list(a.segments)
+            segs[i] = replace(seg, tier=tier)
+            if try_move(replace(a, segments=tuple(segs))):
+                break
+    for field in ("param_tier", "optimizer_tier", "grad_tier"):
+        for j in range(len(getattr(a, field))):
+            for tier in ("device", "host"):
+                cur = getattr(a, field)[j]
+                if time.perf_counter() > t_end or cur not in ORDER or ORDER[tier] >= ORDER[cur]:
+                    break
+                if tier == "device" and field != "param_tier":
+                    continue  # grads and optimizer state live on the host or NVMe
+                tiers = list(getattr(a, field))
+                tiers[j] = tier
+                if try_move(replace(a, **{field: tuple(tiers)})):
+                    break
+    return a
