@@ -21,7 +21,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterable
 
 import pulp
 

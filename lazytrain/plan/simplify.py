@@ -1,8 +1,9 @@
 """Post-solve simplification. The MILP stops within `planner.mip_gap` of the optimum, and its
 tie-breakers (prefer less traffic) sit below that tolerance, so an equally fast plan may stream
-parameters from NVMe while the device has room. This pass moves kept activations, parameters and
-optimizer/gradient state to faster tiers one at a time, keeping a move only if every capacity still
-holds and the simulated step time does not grow. It never makes a plan slower."""
+parameters from NVMe while the host has room. This pass moves kept activations, parameters and
+optimizer/gradient state to faster tiers one at a time, keeping a move only if the simulated step
+time does not grow, host and NVMe capacities hold, and the device peak stays at or below the solved
+plan's. It never makes a plan slower or its device peak higher."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int) ->
     return total
 
 
-def _fits(costs: JobCosts, a: Assignment, depth: int) -> bool:
+def _fits(costs: JobCosts, a: Assignment, depth: int, device_cap: int) -> bool:
     peaks, _ = memory_peaks(costs, a, depth)
-    return (peaks["device"] <= costs.device_capacity_bytes and peaks["host"] <= costs.host_capacity_bytes
+    return (peaks["device"] <= device_cap and peaks["host"] <= costs.host_capacity_bytes
             and peaks["nvme"] <= costs.nvme_capacity_bytes)
 
 
@@ -42,11 +43,14 @@ def simplify(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2,
              budget_s: float = 2.0) -> Assignment:
     t_end = time.perf_counter() + budget_s
     best = step_time_s(costs, a, hw, depth)
+    # Never raise the device peak above the solved plan's: the planner's memory model is an
+    # estimate, and headroom the solver left is kept.
+    device_cap = min(costs.device_capacity_bytes, memory_peaks(costs, a, depth)[0]["device"])
     tol = 1e-9 * max(best, 1e-12)
 
     def try_move(cand: Assignment) -> bool:
         nonlocal a, best
-        if not _fits(costs, cand, depth):
+        if not _fits(costs, cand, depth, device_cap):
             return False
         t = step_time_s(costs, cand, hw, depth)
         if t <= best + tol:

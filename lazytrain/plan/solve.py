@@ -113,7 +113,6 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     if method == "milp":  # equally fast but simpler: fewer transfers, faster tiers (simplify.py)
         a = simplify(costs, a, hw, depth=options.prefetch_depth)
     tl = simulate(costs, a, hw, depth=options.prefetch_depth)
-    L = model.num_layers
     decisions: list[LayerDecision] = []
     seg_of: dict[int, tuple] = {}
     for seg in a.segments:

@@ -56,11 +56,3 @@ def mixtral_store(tmp_path_factory):
     return model, d
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two OpenMP threads on the shared 2-vCPU machines slow down 10-20x under load; the tests only
-    # need correctness, so they run single-threaded (restored afterwards).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

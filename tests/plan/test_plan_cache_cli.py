@@ -70,7 +70,7 @@ def test_infeasible_budget_explains_what_fits(small):
     need = min_device_bytes(model, h, job, PlannerOptions())
     assert f"{need / GiB:.2f} GiB" in text
     best = max_batch(model, h, replace(job, batch_size=1), PlannerOptions())
-    assert 1 <= best < 8 and f"largest batch that fits" in text and f"is {best}" in text
+    assert 1 <= best < 8 and "largest batch that fits" in text and f"is {best}" in text
     # max-batch is exact: best fits, best+1 does not
     assert plan_job(model, h, replace(job, batch_size=best), cache_dir=None).fits
     assert not plan_job(model, h, replace(job, batch_size=best + 1), cache_dir=None, explain=False).fits
@@ -166,9 +166,10 @@ def test_plans_are_simplified_without_getting_slower(small):
     from lazytrain.costmodel import job_costs
     from lazytrain.plan.milp import solve_milp
     model, h, job = small
-    roomy = replace(h, device_memory_gib=4.0)
+    roomy = replace(h, device_memory_gib=4.0, nvme_read_gbps=0.5)
     plan = plan_job(model, roomy, job, cache_dir=None)
-    assert all(d.param_tier == "device" for d in plan.layers)
-    assert all(d.activation_tier in ("device", "none") for d in plan.layers)
+    assert all(d.param_tier != "nvme" for d in plan.layers)
+    assert all(d.activation_tier != "nvme" and d.optimizer_tier != "nvme" for d in plan.layers)
     raw = solve_milp(job_costs(model, roomy, job), roomy)
     assert plan.predicted.step_time_s <= raw.objective_s * (1 + 1e-9)
+    assert plan.predicted.peak_bytes["device"] <= raw.peak_bytes["device"] * (1 + 1e-6)

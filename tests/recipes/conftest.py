@@ -26,13 +26,3 @@ def base_overrides(text_data, tmp_path):
             "optim.warmup_steps=2", f"planner.cache_dir={tmp_path / 'solver_cache'}"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and OpenMP's spin-waiting makes them ~50x
-    slower when the cores are shared with other processes; restore the setting afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
