@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..storage.aligned_io import aligned_empty
+from .host_tier import HostTier, host_policy_for
 from .policies import EvictionPolicy, Key
 from .stats import MoeCounters
 from .store import ExpertStore, StoreError
@@ -47,7 +48,7 @@ class ExpertCache:
 
     def __init__(self, store: ExpertStore, num_slots: int, policy: EvictionPolicy,
                  device: torch.device | str = "cpu", io_workers: int = 2, queue_depth: int = 16,
-                 verify: str = "first") -> None:
+                 verify: str = "first", host_slots: int = 0) -> None:
         min_slots = max(lr.num_experts for lr in store.layers)
         if num_slots < min_slots:
             raise CacheTooSmallError(
@@ -73,6 +74,10 @@ class ExpertCache:
         self.pinned: set[int] = set()
         self.verified: set[Key] = set()
         self.counters = MoeCounters()
+        # Optional host-RAM tier between the device slots and NVMe (exclusive victim cache, see
+        # host_tier.py); None keeps the original two-level behaviour exactly.
+        self.host: HostTier | None = (HostTier(host_slots, self.slot_bytes, host_policy_for(policy),
+                                               self.device) if host_slots > 0 else None)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         import queue
 
@@ -106,7 +111,7 @@ class ExpertCache:
     def _evictable(self) -> list[Key]:
         return [k for k, s in self.slot_of.items() if s not in self.pinned and k not in self.pending]
 
-    def _alloc(self, now: int) -> int | None:
+    def _alloc(self, now: int, keep: Key | None = None) -> int | None:
         if self.free:
             return self.free.pop()
         cand = self._evictable()
@@ -114,6 +119,9 @@ class ExpertCache:
             return None
         victim = self.policy.victim(cand, now)
         slot = self.slot_of.pop(victim)
+        if self.host is not None:
+            # Evictable means not pending: the slot holds the complete record, so it can spill.
+            self.host.put(victim, self.pool[slot], now, keep=keep)
         self.owner[slot] = None
         self.policy.forget(victim)
         self.prefetched.discard(victim)
@@ -194,10 +202,11 @@ class ExpertCache:
                     self.prefetched.discard(key)
             else:
                 c.misses += 1
-                slot = self._alloc(now)
+                in_host = self.host is not None and key in self.host
+                slot = self._alloc(now, keep=key if in_host else None)
                 while slot is None:              # every slot pinned or in flight: wait for one read
                     self._reap()
-                    slot = self._alloc(now)
+                    slot = self._alloc(now, keep=key if in_host else None)
                     if slot is not None:
                         break
                     busy = [r for r in self.pending.values()
@@ -211,9 +220,21 @@ class ExpertCache:
                     c.stall_s += time.perf_counter() - t0
                     slot = None
                 self.pinned.add(slot)
-                waits.append(self._enqueue(key, slot, now, prefetch=False))
+                if in_host and self._from_host(key, slot, c):
+                    c.host_hits += 1             # a memcpy instead of a disk read: no wait
+                else:
+                    waits.append(self._enqueue(key, slot, now, prefetch=False))
             self.policy.touch(key, now)
         return waits
+
+    def _from_host(self, key: Key, slot: int, c: MoeCounters) -> bool:
+        """Fill device `slot` with `key` from the host tier (forward thread; synchronous copy)."""
+        if not self.host.take(key, self.pool[slot]):
+            return False
+        self.slot_of[key] = slot
+        self.owner[slot] = key
+        c.host_bytes += self.slot_bytes
+        return True
 
     def wait(self, waits: list[ReadRequest], c: MoeCounters) -> None:
         for req in waits:
@@ -257,14 +278,18 @@ class ExpertCache:
             key = (layer, e)
             if key in self.slot_of:
                 continue
-            if len(self.pending) >= self.queue_depth:
+            in_host = self.host is not None and key in self.host
+            if not in_host and len(self.pending) >= self.queue_depth:   # the bound is on disk reads
                 c.prefetch_dropped += 1
                 continue
-            slot = self._alloc(now)
+            slot = self._alloc(now, keep=key if in_host else None)
             if slot is None:
                 c.prefetch_dropped += 1
                 continue
-            self._enqueue(key, slot, deadline, prefetch=True)
+            if in_host and self._from_host(key, slot, c):
+                c.host_prefetches += 1           # served from host RAM at once, no disk read
+            else:
+                self._enqueue(key, slot, deadline, prefetch=True)
             self.prefetched.add(key)
             self.policy.touch(key, now)
             c.prefetch_issued += 1

@@ -28,7 +28,8 @@ def engine_kwargs(cfg) -> dict:
                 cache_fraction=float(m.cache_fraction), eviction=m.eviction, prefetch=m.prefetch,
                 predictor_path=m.predictor, lookahead=m.lookahead if str(m.lookahead) == "auto" else int(m.lookahead), prefetch_extra=int(m.prefetch_extra),
                 device=m.device, io_workers=int(m.io_workers), queue_depth=m.queue_depth, verify=m.verify,
-                direct=bool(m.direct_io))
+                direct=bool(m.direct_io), host_cache_fraction=m.get("host_cache_fraction", 0.0) or 0.0,
+                host_cache_slots=m.get("host_cache_slots", None))
 
 
 def fail(cmd: str, e: BaseException) -> int:

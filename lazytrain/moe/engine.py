@@ -152,8 +152,9 @@ class StreamedMoE:
         self._bytes0 = self.cache.counters.bytes_read
 
     def stats(self, phase: str = "decode") -> MoeStats:
+        host = self.cache.host.num_slots if self.cache.host is not None else 0
         return MoeStats.from_counters(self.counters[phase], self.cache.num_slots, self.total_experts,
-                                      self.cache.slot_bytes, self.store.io_mode)
+                                      self.cache.slot_bytes, self.store.io_mode, host_cache_slots=host)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
@@ -212,23 +213,41 @@ def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def check_host_cache(fraction, slots) -> float:
+    """Validate the host-tier settings before anything is loaded; returns the fraction as a float."""
+    try:
+        f = float(fraction if fraction is not None else 0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"moe.host_cache_fraction must be a number in [0, 1], got {fraction!r}") from None
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"moe.host_cache_fraction must be in [0, 1] (share of all experts kept in "
+                         f"host RAM; 0 = no host tier), got {fraction}")
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 0):
+        raise ValueError(f"moe.host_cache_slots must be a non-negative integer or null, got {slots!r}")
+    return f
+
+
 def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None,
                   cache_slots: int | None = None, cache_fraction: float = 0.45, eviction: str = "lru",
                   prefetch: str = "gate", predictor_path: str | Path | None = None,
                   lookahead: int | str = 1,
                   prefetch_extra: int = 0, device: str = "cpu", io_workers: int = 2,
                   queue_depth: int | None = None, verify: str = "first", direct: bool = True,
-                  future: list | None = None) -> StreamedMoE:
+                  future: list | None = None, host_cache_fraction: float = 0.0,
+                  host_cache_slots: int | None = None) -> StreamedMoE:
     """Build the model from the store (non-expert weights only) and attach the expert cache.
 
     prefetch: none | gate (speculative gate) | predictor (trained heads, `predictor_path`) | oracle.
     lookahead: layers predicted ahead, or "auto" (from measured read time vs layer time, at most 4).
     eviction: lru | lfu | forecast (| belady with `future`, benchmark only).
+    host_cache_fraction / host_cache_slots: optional host-RAM tier (pinned on CUDA) between the device
+    slots and NVMe, as a share of all experts or an exact slot count (which wins); 0 = no host tier.
     """
     import json
 
     from safetensors.torch import load_file
 
+    host_fraction = check_host_cache(host_cache_fraction, host_cache_slots)
     store = ExpertStore(store_dir, direct=direct)
     try:
         hf_config = store.hf_config
@@ -274,8 +293,11 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         slots = cache_slots if cache_slots else max(1, round(cache_fraction * total))
         policy = make_policy(eviction, len(layers), future)
         depth = queue_depth or max(4, 2 * max(ml.top_k for ml in layers) * max(lookahead, auto, 1))
-        cache = ExpertCache(store, min(slots, total), policy, device=device, io_workers=io_workers,
-                            queue_depth=depth, verify=verify)
+        slots = min(slots, total)
+        host = host_cache_slots if host_cache_slots is not None else round(host_fraction * total)
+        host = min(host, total - slots)      # exclusive tiers: more than the rest would stay empty
+        cache = ExpertCache(store, slots, policy, device=device, io_workers=io_workers,
+                            queue_depth=depth, verify=verify, host_slots=host)
         if prefetch == "none":
             pred = None
         elif prefetch == "gate":

@@ -28,6 +28,7 @@ def model_and_store(request, tiny_moe, tmp_path_factory):
     dict(cache_fraction=0.25, prefetch="gate", eviction="forecast", lookahead=2),
     dict(cache_fraction=0.45, prefetch="predictor", eviction="lfu"),
     dict(cache_fraction=1.0, prefetch="gate", eviction="lru"),
+    dict(cache_fraction=0.25, prefetch="gate", eviction="lru", host_cache_fraction=0.4),   # host tier
 ])
 def test_greedy_token_identical(model_and_store, opts, tmp_path):
     model, store, refs = model_and_store
@@ -52,6 +53,9 @@ def test_greedy_token_identical(model_and_store, opts, tmp_path):
                 <= eng.total_experts
         if opts["prefetch"] != "none" and opts.get("cache_fraction", 0) < 1.0:
             assert s.extra["prefetch_issued"] > 0
+        if opts.get("host_cache_fraction"):
+            assert s.host_cache_slots == round(0.4 * eng.total_experts)
+            assert s.extra["host_hits"] + s.extra["host_prefetches"] > 0
     finally:
         eng.close()
 
