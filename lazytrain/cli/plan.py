@@ -49,12 +49,10 @@ def _inputs(overrides: list[str]):
 
 
 def _print_plan(plan) -> None:
+    from rich.console import Console
+
     from ..plan.render import render
-    try:
-        from rich.console import Console
-        render(plan, Console(width=120))
-    except ImportError:
-        render(plan, console=True)
+    render(plan, Console(width=120))
 
 
 def cmd_plan(args: list[str]) -> int:
@@ -140,19 +138,14 @@ def cmd_max_batch(args: list[str]) -> int:
 
 
 def _table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-        t = Table(title=title)
-        for h in header:
-            t.add_column(h)
-        for r in rows:
-            t.add_row(*r)
-        Console(width=140).print(t)
-    except ImportError:
-        print(title)
-        for r in [header, *rows]:
-            print("  ".join(str(c) for c in r))
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h)
+    for r in rows:
+        t.add_row(*r)
+    Console(width=140).print(t)
 
 
 def main(argv: list[str]) -> int:

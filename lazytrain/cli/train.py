@@ -18,13 +18,9 @@ MULTIRUN_FLAGS = ("--multirun", "-m")
 
 
 def _normalise(argv: list[str]) -> list[str]:
-    """`model.path=DIR` on a model config without a `path` key: add it (`++`) rather than fail;
-    `output_dir=DIR` for a single run: Hydra's own files (.hydra/, train.log) go there too."""
-    out = []
-    for a in argv:
-        if a.startswith("model.path="):
-            a = "++" + a
-        out.append(a)
+    """`output_dir=DIR` for a single run: Hydra's own files (.hydra/, train.log) go there too.
+    (`model.path=DIR` needs no help: every model config declares `path: null`.)"""
+    out = list(argv)
     given = [a.split("=", 1)[1] for a in out if a.startswith("output_dir=")]
     if given and not any(a.startswith("hydra.run.dir=") for a in out):
         out.append(f"hydra.run.dir={given[-1]}")

@@ -9,14 +9,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, O
 
 
 def compose(overrides: list[str]):
-    """The Hydra config with the `moe` group selected; `model.path=` works with any model group."""
+    """The Hydra config with the `moe` group selected (every model config declares `path`)."""
     from ..cli.config import load_config
 
-    ovs = []
-    for ov in overrides:
-        key = ov.split("=", 1)[0]
-        # model groups define name/hf_config only; path is added here (Hydra's `++` = add or override)
-        ovs.append("++" + ov if key == "model.path" else ov)
+    ovs = list(overrides)
     if not any(o.lstrip("+").startswith("moe=") for o in ovs):
         ovs.insert(0, "+moe=default")
     return load_config(ovs)

@@ -120,11 +120,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     x = {(s, e, m, t): pulp.LpVariable(f"x_{s}_{e}_{m[0]}_{t}", cat=B)
          for (s, e, m) in cand for t in seg_tiers[(s, e, m)]}
 
-    def seg(s, e, m):
-        return Segment(s, e, m, "device")
-
-    kept = {c: seg(*c).kept_bytes(costs) for c in cand}
-    work = {c: seg(*c).working_bytes(costs) for c in cand}
+    kept = {c: Segment(*c, "device").kept_bytes(costs) for c in cand}
+    work = {c: Segment(*c, "device").working_bytes(costs) for c in cand}
     # flow: one path 0 -> L
     for b in range(L + 1):
         out_ = pulp.lpSum(v for (s, e, m, t), v in x.items() if s == b)
@@ -285,9 +282,9 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
 
-    def window_vars(prefix: str, final: bool) -> list[pulp.LpVariable]:
+    def window_vars(prefix: str, window_loads: list[dict[str, object]]) -> list[pulp.LpVariable]:
         ts = []
-        for k, ld in enumerate(loads(final)):
+        for k, ld in enumerate(window_loads):
             T = pulp.LpVariable(f"{prefix}_{k}", lowBound=0)
             prob.addConstraint(T >= ld["compute"], f"{prefix}_c_{k}")
             prob.addConstraint(T >= ld["optimizer"], f"{prefix}_o_{k}")
@@ -297,14 +294,15 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             ts.append(T)
         return ts
 
-    U = window_vars("U", True)
-    W = window_vars("W", False) if G > 1 else []
+    final_loads = loads(True)
+    U = window_vars("U", final_loads)
+    W = window_vars("W", loads(False)) if G > 1 else []
     step_time = pulp.lpSum(U) + (G - 1) * pulp.lpSum(W)
     # Tie-breakers, scaled to the step so they never outweigh a real difference: among equally
     # fast plans prefer less link traffic and recompute (robust to bandwidth drift), then small peaks
     # (which also pins the max-variables at their true value).
     t_ref = max(1e-6, G * sum(c.fwd_s + c.bwd_s for c in layers))
-    traffic_s = pulp.lpSum(ld[r] * (1.0 / rate) for ld in loads(True) for r, rate in rates.items())
+    traffic_s = pulp.lpSum(ld[r] * (1.0 / rate) for ld in final_loads for r, rate in rates.items())
     # The objective is normalised by the compute time so that every term is O(1) and the
     # tie-breakers stay above the solver's tolerances whatever the model size.
     peaks = (P / max(cap / GiB, 1e-3) + 0.1 * Hpk / max(costs.host_capacity_bytes / GiB, 1.0)

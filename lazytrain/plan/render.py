@@ -1,5 +1,5 @@
 """Human-readable views of a Plan: a per-layer table (identical neighbours collapsed) and a
-summary. Uses rich when it is installed, plain text otherwise."""
+summary."""
 
 from __future__ import annotations
 
@@ -43,24 +43,16 @@ def summary_lines(plan: Plan) -> list[str]:
 
 
 def render(plan: Plan, console=None) -> str:
-    """Return (and print to `console` if given) the full view."""
+    """Print the full view to `console` (a rich Console), or return it as text when none is given."""
+    from rich.console import Console
+    from rich.table import Table
+
     header = ("layers", "n", "recompute", "activations", "params", "grads", "optimizer", "segment")
-    body = [(name if n == 1 else f"{name} ..", str(n), *key[1:]) for name, n, key in _groups(plan)]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain text
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header, *body]]
-        text = "\n".join(summary_lines(plan) + [""] + lines + [""] + [f"- {x}" for x in plan.explanation])
-        if console is not None:
-            print(text)
-        return text
     table = Table(title=f"plan {plan.input_hash}", show_lines=False)
     for h in header:
         table.add_column(h)
-    for r in body:
-        table.add_row(*r)
+    for name, n, key in _groups(plan):
+        table.add_row(name if n == 1 else f"{name} ..", str(n), *key[1:])
     con = console or Console(record=True, width=120)
     for line in summary_lines(plan):
         con.print(line, highlight=False)

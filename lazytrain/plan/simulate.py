@@ -47,8 +47,8 @@ class Timeline:
         return max(0.0, self.step_time_s - self.compute_s - self.recompute_s - self.serial_optimizer_s)
 
 
-def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
-                  depth: int) -> list[list[tuple[str, str, str, str, float]]]:
+def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
+                  final: bool) -> list[list[tuple[str, str, str, str, float]]]:
     """Per window: (resource, kind, layer, what, amount) with amount in bytes or seconds."""
     L = costs.num_blocks
     ops = op_sequence(L)
@@ -100,9 +100,7 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         items[k_in].append(("h2d", "h2d", name, "activation", nbytes))
 
     if costs.trains_base:
-        for j in range(L + 1):  # blocks and embed; the head's grads leave after the head op
-            pass
-        for j, c in enumerate(layers):
+        for j, c in enumerate(layers):  # the head's grads leave after the head op
             k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
             k_g = after(L, k_b)
             items[k_g].append(("d2h", "d2h", c.name, "grads", c.grad_device_bytes))
@@ -178,7 +176,7 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
-        windows = _window_items(costs, a, hw, final, depth)
+        windows = _window_items(costs, a, hw, final)
         for k, items in enumerate(windows):
             cursor: dict[str, float] = defaultdict(lambda: t)
             for res, kind, layer, what, amount in items:

@@ -4,6 +4,7 @@ device memory a job needs, the largest batch that fits, and the explanations use
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +30,8 @@ class InfeasiblePlanError(RuntimeError):
     """No plan fits; `plan.explanation` says what would."""
 
     def __init__(self, plan: Plan) -> None:
-        super().__init__("; ".join(plan.explanation))
+        lines = list(plan.explanation) or ["the planner found no feasible plan"]
+        super().__init__("the job does not fit: " + "\n  ".join(lines))
         self.plan = plan
 
 
@@ -285,11 +287,10 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     best = 0
     if job.batch_size > 1:
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1)
-    else:
-        best = 0
     tail = (f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} "
             f"(job.batch_size={best})" if best else
             f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory")
+    need_gib = math.ceil(need / GiB * 100) / 100  # rounded up: the suggested setting must fit
     return [f"{what} fits hardware.device_memory_gib={hw.device_memory_gib}: this job "
-            f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {_gib(need)} "
-            f"of device memory (hardware.device_memory_gib={need / GiB:.2f}); {tail}"]
+            f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_gib:.2f} GiB "
+            f"of device memory (hardware.device_memory_gib={need_gib:.2f}); {tail}"]

@@ -30,11 +30,12 @@ from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
 from . import checkpoint as ckpt
 from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
-from .plan_io import PlanInfeasible, make_plan, plan_summary
+from ..plan import InfeasiblePlanError, plan_job
+from .plan_io import plan_summary
 
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-USER_ERRORS = (ConfigError, DataError, ModelConfigError, EngineUnavailable, PlanInfeasible)
+USER_ERRORS = (ConfigError, DataError, ModelConfigError, EngineUnavailable, InfeasiblePlanError)
 
 
 class StorageError(ConfigError):
@@ -133,10 +134,10 @@ def preflight(cfg: DictConfig) -> Preflight:
                           f"(max_position_embeddings={mspec.max_position_embeddings})")
     files, tok_dir = prepare_data(cfg)
     # Plan before tokenizing: a job that cannot fit is reported without waiting for the data.
-    plan = make_plan(mspec, hw, job, planner_options(cfg), cache_dir=str(cfg.planner.cache_dir),
+    plan = plan_job(mspec, hw, job, planner_options(cfg), cache_dir=str(cfg.planner.cache_dir),
                      use_cache=bool(cfg.planner.cache))
     if not plan.fits:
-        raise PlanInfeasible(plan)
+        raise InfeasiblePlanError(plan)
     tokenizer = load_tokenizer(tok_dir)
     if len(tokenizer) > mspec.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "

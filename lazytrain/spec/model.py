@@ -161,7 +161,7 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
     nkv = int(_get(cfg, "num_key_value_heads", default=nh))
     hd = int(_get(cfg, "head_dim", default=H // nh))
     inter = int(cfg["intermediate_size"])
-    tied = bool(cfg.get("tie_word_embeddings", family in ()))
+    tied = bool(cfg.get("tie_word_embeddings", False))
 
     layers: list[LayerSpec] = [LayerSpec(
         name="embed", kind="embed", index=0, param_count=V * H, active_param_count=V * H,

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -8,7 +9,7 @@ import pytest
 
 import lazytrain.plan.solve as solve_mod
 from lazytrain.cli.main import main as cli_main
-from lazytrain.plan import Plan, PlannerOptions, heuristic_plan, max_batch, min_device_bytes, plan_job
+from lazytrain.plan import Plan, PlannerOptions, heuristic_plan, min_device_bytes, plan_job
 from lazytrain.spec import GiB, ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,11 +68,17 @@ def test_infeasible_budget_explains_what_fits(small):
     plan = plan_job(model, h, job, cache_dir=None)
     assert plan.status == "infeasible" and not plan.layers
     text = " ".join(plan.explanation)
-    need = min_device_bytes(model, h, job, PlannerOptions())
-    assert f"{need / GiB:.2f} GiB" in text
-    best = max_batch(model, h, replace(job, batch_size=1), PlannerOptions())
-    assert 1 <= best < 8 and "largest batch that fits" in text and f"is {best}" in text
-    # max-batch is exact: best fits, best+1 does not
+    # the suggested device memory is the job's minimum rounded up to 0.01 GiB: the job fits there,
+    # and no plan fits 2% below the minimum
+    suggested_gib = float(re.search(r"hardware\.device_memory_gib=([0-9.]+)\)", text).group(1))
+    need_gib = min_device_bytes(model, h, job, PlannerOptions()) / GiB
+    assert need_gib <= suggested_gib < need_gib + 0.01
+    assert plan_job(model, replace(h, device_memory_gib=suggested_gib), job, cache_dir=None).fits
+    assert not plan_job(model, replace(h, device_memory_gib=need_gib * 0.98), job, cache_dir=None,
+                        explain=False).fits
+    # the suggested batch is the largest that fits the given budget
+    best = int(re.search(r"job\.batch_size=(\d+)", text).group(1))
+    assert 1 <= best < 8
     assert plan_job(model, h, replace(job, batch_size=best), cache_dir=None).fits
     assert not plan_job(model, h, replace(job, batch_size=best + 1), cache_dir=None, explain=False).fits
 
