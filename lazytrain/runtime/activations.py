@@ -1,10 +1,11 @@
 """Where a layer's saved-for-backward tensors live: kept on the device, copied to host, or written
 to NVMe files, via torch.autograd.graph.saved_tensors_hooks; fetched back ahead of need.
 
-Two kinds of saved tensor are never moved: views of the layer's streamed parameter buffer (saved
-as a placeholder and re-resolved against wherever the layer's parameters are when backward runs,
-because the buffer may be evicted and refetched in between) and tensors that stay resident anyway
-(LoRA adapters, the step's rotary embeddings / masks).
+Two kinds of saved tensor are never moved: views of the layer's streamed parameter buffer, or of
+one it borrows (a tied head's embedding matrix), saved as a placeholder and re-resolved against
+wherever those parameters are when backward runs, because the buffer may be evicted and refetched
+in between; and tensors that stay resident anyway (LoRA adapters, the step's rotary embeddings /
+masks).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -84,18 +85,27 @@ class ActivationStore:
 
     # ---- forward side -------------------------------------------------------------------
     def hooks(self, layer: int, tier: str, param_buf: Callable[[int], torch.Tensor | None],
-              kind: str = "activations") -> torch.autograd.graph.saved_tensors_hooks:
-        """Saved-tensor hooks placing what `layer` saves on `tier` ("device" | "host" | "nvme")."""
+              kind: str = "activations", param_layers: Sequence[int] | None = None
+              ) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks placing what `layer` saves on `tier` ("device" | "host" | "nvme").
+
+        `param_layers`: the layers whose weight buffers `layer` computes with (default: its own;
+        a tied head also uses the embedding's), whose views are saved as placeholders."""
         la = self.layers.setdefault(layer, _LayerActs())
-        own = param_buf(layer)
-        own_ptr = own.untyped_storage().data_ptr() if own is not None else None
+        owns = {}   # storage ptr -> (layer, its typed flat buffer)
+        for j in (layer,) if param_layers is None else param_layers:
+            buf = param_buf(j)
+            if buf is not None:
+                owns[buf.untyped_storage().data_ptr()] = (j, buf)
 
         def pack(t: torch.Tensor):
             sp = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
-            if own is not None and sp == own_ptr and t.dtype == own.dtype:
-                # A view of the streamed weights: remember where, not what.
+            hit = owns.get(sp)
+            if hit is not None and t.dtype == hit[1].dtype:
+                # A view of streamed weights: remember whose and where, not what.
+                j, own = hit
                 off = (t.data_ptr() - own.data_ptr()) // t.element_size()
-                return ("param", layer, tuple(t.shape), tuple(t.stride()), off)
+                return ("param", j, tuple(t.shape), tuple(t.stride()), off)
             if sp in self.resident_ptrs or t.numel() == 0:
                 return ("keep", t)
             if tier == "device":

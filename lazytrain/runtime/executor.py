@@ -95,9 +95,6 @@ class StreamingExecutor:
             torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"
         self.parts: DecoderParts = find_parts(model)
-        if self.parts.tied:
-            raise NotImplementedError("tied input/output embeddings are not supported by the streaming "
-                                      "executor yet (untie them: config.tie_word_embeddings=false)")
         names = self.parts.layer_names()
         _check_plan(plan, names)
         self.names = names
@@ -132,17 +129,23 @@ class StreamingExecutor:
 
     # ---- setup ---------------------------------------------------------------------------
     def _build_layers(self) -> None:
-        seen: set[int] = set()
+        # A parameter belongs to the first layer that uses it; a later layer using it too (the tied
+        # head: lm_head.weight *is* embed.weight) borrows it: one buffer, one fp32 state, one update.
+        owner: dict[int, int] = {}
         self.layers: list[StreamedLayer] = []
         self.adapters: list[list[nn.Parameter]] = []
+        borrowed: list[tuple[int, ...]] = []
         for i, mods in enumerate(self.parts.layer_modules()):
-            streamed, adapters = [], []
+            streamed, adapters, lenders = [], [], []
             for m in mods:
-                for n, p in m.named_parameters():
-                    if id(p) in seen:
+                for n, p in m.named_parameters(remove_duplicate=False):
+                    if id(p) in owner:
+                        if owner[id(p)] != i and owner[id(p)] not in lenders:
+                            lenders.append(owner[id(p)])
                         continue
-                    seen.add(id(p))
+                    owner[id(p)] = i
                     (adapters if (self.lora and p.requires_grad) else streamed).append((n, p))
+            borrowed.append(tuple(lenders))
             dtypes = {p.dtype for _, p in streamed}
             if len(dtypes) > 1:
                 raise ValueError(f"{self.names[i]}: parameters have mixed dtypes {sorted(map(str, dtypes))}; "
@@ -150,16 +153,23 @@ class StreamingExecutor:
             dtype = dtypes.pop() if dtypes else torch.float32
             layout = FlatLayout.of(streamed, dtype)
             self.layers.append(StreamedLayer(i, self.names[i], [p for _, p in streamed], layout,
-                                             self.decisions[i].param_tier))
+                                             self.decisions[i].param_tier, borrows=borrowed[i]))
             # originals, read before the streamer rebinds parameters to its buffers
             self.layers[-1].extra["init_values"] = [p.data for _, p in streamed]
             self.adapters.append([p for _, p in adapters])
-        outside = [n for n, p in self.model.named_parameters() if id(p) not in seen]
+        outside = [n for n, p in self.model.named_parameters() if id(p) not in owner]
         if outside:
             raise ValueError(f"parameters outside embed/blocks/norm/head are not supported: {outside[:3]}")
         self.compute_dtype = self.layers[1].layout.dtype if self.n_layers > 2 else self.layers[0].layout.dtype
         self.trainable = [bool(lay.params) and not self.lora and any(p.requires_grad for p in lay.params)
                           for lay in self.layers]
+        # Borrowed weights get gradients in the borrower's backward, which must run before the
+        # lender's (the head's before the embedding's): the lender sums both, then updates once.
+        for lay in self.layers:
+            if any(j >= lay.index for j in lay.borrows):
+                raise ValueError(f"{lay.name} shares weights with a later layer; only a head tied to "
+                                 f"the embedding (an earlier layer) is supported")
+        self.borrowed_grads: dict[int, list[torch.Tensor | None]] = {}
 
         need_nvme = 0
         for lay, d in zip(self.layers, self.decisions):
@@ -275,15 +285,19 @@ class StreamingExecutor:
              first: bool, last: bool) -> torch.Tensor | None:
         lay = self.layers[i]
         params = lay.params if self.trainable[i] else []
+        # weights borrowed from earlier layers (the tied head's embedding matrix)
+        shared = [(j, p) for j in lay.borrows if self.trainable[j] for p in self.layers[j].params]
         ads = self.adapters[i]
-        inputs = [*params, *ads] + ([x] if x is not None else [])
+        inputs = [*params, *(p for _, p in shared), *ads] + ([x] if x is not None else [])
         if not inputs:
             return None
         t = self.trace.now()
         grads = torch.autograd.grad(out, inputs, grad_outputs=g, allow_unused=True)
         self.trace.add("compute_bwd", lay.name, t, self.trace.now())
         gx = grads[-1] if x is not None else None
-        pg, ag = grads[:len(params)], grads[len(params):len(params) + len(ads)]
+        n_own, n_sh = len(params), len(shared)
+        pg, sg = grads[:n_own], grads[n_own:n_own + n_sh]
+        ag = grads[n_own + n_sh:n_own + n_sh + len(ads)]
         for p, gr in zip(ads, ag):
             if gr is None:
                 continue
@@ -303,14 +317,39 @@ class StreamingExecutor:
                 self.acct.free(nb, "grads")
                 nb = 0
 
-            def accumulate(pg=pg, nb=nb) -> None:
-                st.accumulate(list(pg), first, last)
+            # this micro-batch's contribution from the layer that borrows these weights, if any
+            borrowed = self.borrowed_grads.pop(i, None)
+
+            def accumulate(pg=pg, nb=nb, borrowed=borrowed) -> None:
+                st.accumulate(list(pg), first, last, shared=borrowed)
                 self.acct.free(nb, "grads")
 
             self._pending.append(self.opt_pool.submit(accumulate))
             if last and self.max_grad_norm is None:
                 lay.ready = self.opt_pool.submit(self._update, i, None, dict(self.hp))
+        if shared:
+            self._hand_over_borrowed(shared, sg)
         return gx
+
+    def _hand_over_borrowed(self, shared: list[tuple[int, nn.Parameter]],
+                            grads: Sequence[torch.Tensor | None]) -> None:
+        """Keep a borrower's gradients of borrowed weights for the lender's backward, on the host.
+
+        The lender (the embedding) adds its own contribution to them and accumulates the sum:
+        exactly what autograd does for a weight used twice, and the weights update once."""
+        for (j, p), gr in zip(shared, grads):
+            if gr is None:
+                continue
+            # Like every other gradient the tensor leaves the device at once: on CUDA a blocking
+            # d2h; on CPU it already is host memory, so handing it over is the whole transfer.
+            # Held until the lender's backward (the end of this backward), it must not sit in the
+            # device budget: the plan reserves room for grads in flight, not for this one.
+            self.acct.alloc(gr.nbytes, "grads")
+            held = gr.to("cpu", non_blocking=False) if self.cuda else gr.detach()
+            self.acct.free(gr.nbytes, "grads")
+            slots = self.borrowed_grads.setdefault(j, [None] * len(self.layers[j].params))
+            k = next(k for k, q in enumerate(self.layers[j].params) if q is p)
+            slots[k] = held if slots[k] is None else slots[k] + held
 
     def _update(self, i: int, scale: torch.Tensor | None, hp: dict) -> None:
         # `hp` is a snapshot taken when the update was queued: set_lr for the next step may run
@@ -338,6 +377,7 @@ class StreamingExecutor:
         ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
         self.acct.alloc(ctx_bytes, "step_context")
         mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False}
+        self.borrowed_grads.clear()   # (left over only if a previous micro-batch failed)
         self.streamer.start(self.use_seq, wrap=self.lora or not last)
         L = self.n_layers
         dec = self.decisions
@@ -362,7 +402,8 @@ class StreamingExecutor:
                 x = None
             else:
                 x = h.detach().requires_grad_(True) if h is not None else None
-                with self.acts.hooks(i, d.activation_tier, self.streamer.device_buffer):
+                with self.acts.hooks(i, d.activation_tier, self.streamer.device_buffer,
+                                     param_layers=self.streamer.group(i)):
                     out = self._fwd(i, x, mb)
                 self.acts.end_forward(i)
                 graphs[i] = (x, out)
@@ -395,7 +436,8 @@ class StreamingExecutor:
                     t = self.trace.now()
                     xj = hin.detach().requires_grad_(True) if j > 0 else None
                     self._set_rng_state(rng[j])
-                    with self.acts.hooks(j, "device", self.streamer.device_buffer, kind="recompute"):
+                    with self.acts.hooks(j, "device", self.streamer.device_buffer, kind="recompute",
+                                         param_layers=self.streamer.group(j)):
                         outj = self._fwd(j, xj, mb)
                     self.acts.end_forward(j)
                     seg_graphs[j] = (xj, outj)

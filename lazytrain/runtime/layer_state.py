@@ -101,12 +101,23 @@ class LayerTrainState:
         self._save(what, self.optimizer_tier, t)
 
     # ---- gradient accumulation ----------------------------------------------------------
-    def accumulate(self, grads: list[torch.Tensor | None], first: bool, last: bool) -> None:
-        """Add one micro-batch's gradients (any dtype/device, per tensor) into the fp32 accumulator."""
+    def accumulate(self, grads: list[torch.Tensor | None], first: bool, last: bool,
+                   shared: list[torch.Tensor | None] | None = None) -> None:
+        """Add one micro-batch's gradients (any dtype/device, per tensor) into the fp32 accumulator.
+
+        `shared`: the same micro-batch's other contribution to these tensors (a tied weight's, from
+        the head). It is summed with `grads` first and the sum accumulated, as autograd sums a
+        shared leaf's incoming gradients before adding them to `.grad`, so the result is the same
+        bit for bit."""
         s = self.trace.now()
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
-        for g, o, n in zip(grads, self.layout.offsets, self.layout.numels):
+        for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             dst = acc[o:o + n]
+            x = shared[k] if shared is not None else None
+            if g is not None and x is not None:
+                _add_pair(dst, g.reshape(-1), x.reshape(-1), first)
+                continue
+            g = x if g is None else g
             if g is None:
                 if first:
                     dst.zero_()
@@ -163,6 +174,17 @@ class LayerTrainState:
         write_params(master)
         self.has_grad = False
         self.trace.add("optimizer", self.name, s, self.trace.now(), self.nbytes32 * 4, "host")
+
+
+def _add_pair(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool,
+              chunk: int = 1 << 22) -> None:
+    """dst = a + b (first) or dst += (a + b), in fp32, in chunks (no full-size temporary)."""
+    for s in range(0, dst.numel(), chunk):
+        d, x, y = dst[s:s + chunk], a[s:s + chunk], b[s:s + chunk]
+        if first:
+            torch.add(x.to(F32), y.to(F32), out=d)
+        else:
+            d.add_(x.to(F32) + y.to(F32))
 
 
 def total_norm(norms: list[torch.Tensor]) -> torch.Tensor:

@@ -6,6 +6,11 @@ The executor tells the streamer the order of uses (forward, recompute, backward:
 of the Plan, see `use_sequence`); `use(i)` waits only for layer i's own transfer and then starts
 the transfers for the next depth-1 layers. A fetch first waits for that layer's pending optimizer
 update, so the next step's forward waits only for the layer it needs, not for the whole update.
+
+A layer may also compute with another layer's weights (`borrows`: a tied head uses the embedding's
+matrix). Those have one buffer, owned by the lender and counted once; using the borrower brings the
+lender's buffer to the device with its own (the two count as one prefetch slot, as the cost model
+counts the tied head's streamed bytes as one layer's).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class StreamedLayer:
     fetch: Future | None = None
     event: object = None
     extra: dict = field(default_factory=dict)
+    borrows: tuple[int, ...] = ()       # other layers whose weights this one computes with (tied head)
 
 
 def use_sequence(n_layers: int, segments: list[tuple[int, int]]) -> list[int]:
@@ -91,6 +97,10 @@ class ParamStreamer:
         lay = self.layers[index]
         return lay.resident if lay.resident is not None else lay.held
 
+    def group(self, index: int) -> list[int]:
+        """Layer `index` and the layers whose weights it borrows: all on the device while it computes."""
+        return [index, *self.layers[index].borrows]
+
     def _bind(self, lay: StreamedLayer, flat: torch.Tensor) -> None:
         for p, v in zip(lay.params, lay.layout.views(flat)):
             p.data = v
@@ -105,15 +115,19 @@ class ParamStreamer:
         """Begin a micro-batch's use sequence; `wrap`: prefetch across its end (weights unchanged)."""
         self.seq, self.pos, self.wrap = seq, 0, wrap
 
-    def _ahead(self) -> list[int]:
+    def _ahead(self, max_slots: int | None = None) -> list[int]:
+        max_slots = self.depth - 1 if max_slots is None else max_slots
         out: list[int] = []
+        slots = 0
         k = self.pos + 1
         n = len(self.seq)
-        # `depth` buffers in all (the plan's prefetch_depth): the current layer + depth-1 ahead
-        while len(out) < self.depth - 1 and (k < n or (self.wrap and k < self.pos + n)):
-            idx = self.seq[k % n]
-            if idx not in out and self.layers[idx].resident is None:
-                out.append(idx)
+        # `depth` buffers in all (the plan's prefetch_depth): the current layer + depth-1 ahead;
+        # a layer with the weights it borrows takes one slot
+        while slots < max_slots and (k < n or (self.wrap and k < self.pos + n)):
+            new = [j for j in self.group(self.seq[k % n]) if j not in out and self.layers[j].resident is None]
+            if new:
+                out += new
+                slots += 1
             k += 1
         return out
 
@@ -123,22 +137,24 @@ class ParamStreamer:
             self.pos += 1
         if self.pos >= len(self.seq):
             raise RuntimeError(f"layer {self.layers[index].name} used out of the planned order")
-        lay = self.layers[index]
+        group = [self.layers[j] for j in self.group(index)]
         ahead = self._ahead()
-        keep = set(ahead) | {index}
+        keep = set(ahead) | {lay.index for lay in group}
         for other in self.layers:
             if other.held is not None and other.index not in keep:
                 self._evict(other)
-        if lay.resident is None:
-            self._fetch(lay)
+        for lay in group:
+            if lay.resident is None:
+                self._fetch(lay)
         for idx in ahead:
             self._fetch(self.layers[idx])
-        self._wait(lay)
+        for lay in group:
+            self._wait(lay)
 
     def prefetch_first(self, seq: list[int]) -> None:
         """After a step's updates were queued: start the next step's first fetches now."""
         self.start(seq, wrap=False)
-        for idx in ([seq[0]] + self._ahead())[: max(1, self.depth - 1)]:
+        for idx in self.group(seq[0]) + self._ahead(max(1, self.depth - 1) - 1):
             if self.layers[idx].resident is None:
                 self._fetch(self.layers[idx])
 

@@ -87,11 +87,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def tiny_model(family: str, seed: int = 0, dtype: str = "float32", **overrides: Any):
-    """A randomly initialised tiny HF causal LM of `family` (llama | qwen2 | mixtral)."""
+    """A randomly initialised tiny HF causal LM of `family` (llama | qwen2 | mixtral); a "-tied"
+    suffix (e.g. "qwen2-tied") ties the input and output embeddings, as small Qwen/Llama models do."""
     import torch
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(family, **{"tie_word_embeddings": False,
+    family, tied = (family[:-len("-tied")], True) if family.endswith("-tied") else (family, False)
+    cfg = transformers.AutoConfig.for_model(family, **{"tie_word_embeddings": tied,
                                                        **TINY_CONFIGS[family], **overrides})
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))

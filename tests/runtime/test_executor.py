@@ -62,9 +62,46 @@ def test_missing_nvme_dir_said_before_training(tmp_path):
                           nvme_dir=tmp_path / "nope")
 
 
-def test_tied_embeddings_get_a_clear_error():
-    with pytest.raises(NotImplementedError, match="tied"):
-        StreamingExecutor(tiny_model("qwen2", tie_word_embeddings=True), hand_plan(3), device="cpu")
+def test_tied_embeddings_share_one_buffer_and_one_update():
+    model = tiny_model("qwen2-tied")
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3), device="cpu", lr=1e-2)
+    head, embed_w = ex.layers[-1], ex.parts.embed.weight
+    assert head.borrows == (0,) and all(p is not embed_w for p in head.params)
+    assert ex.parts.head.weight is embed_w
+    # the shared matrix is counted once (the head stores no params of its own, as planned)
+    assert ex.acct.by_kind["params_resident"] == sum(p.nbytes for p in model.parameters())
+    for s in range(3):
+        ex.train_step(random_batches(2, seed=s))
+    ex.wait()
+    assert float(ex.states[0].step) == 3   # one AdamW update per step, after both contributions
+    synced = ex.sync_model()
+    assert synced.get_output_embeddings().weight is synced.get_input_embeddings().weight
+    ex.close()
+
+
+def test_tied_head_fetches_the_streamed_embedding(tmp_path):
+    """A streamed embedding comes back for the head (end of forward / its backward) and once more
+    for the embedding's own backward; both of the head's weights are bound while it computes."""
+    model = tiny_model("llama-tied")
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, param_tier="host", prefetch_depth=1),
+                           device="cpu")
+    fetched, orig_fetch, orig_use = [], ex.streamer._fetch, ex.streamer.use
+
+    def fetch(lay):
+        if lay.held is None and lay.fetch is None:
+            fetched.append(lay.name)
+        orig_fetch(lay)
+
+    def use(i):
+        orig_use(i)
+        if i == ex.n_layers - 1:
+            emb = ex.streamer.device_buffer(0)
+            assert emb is not None and ex.parts.head.weight.data_ptr() == emb.data_ptr()
+    ex.streamer._fetch, ex.streamer.use = fetch, use
+    ex.train_step(random_batches(1, seed=0))
+    assert fetched == ["embed", "block.0", "block.1", "block.2", "head", "embed",
+                       "block.2", "block.1", "block.0", "embed", "embed"]   # last: next step's
+    ex.close()
 
 
 def test_trace_records_every_kind_of_event(tmp_path):
@@ -147,9 +184,9 @@ def test_nonfinite_gradients_skip_the_step_when_clipping(tmp_path):
     st = ex.states[1]
     orig = st.accumulate
 
-    def poisoned(grads, first, last):
+    def poisoned(grads, first, last, shared=None):
         grads = [g * float("inf") if g is not None else g for g in grads]
-        return orig(grads, first, last)
+        return orig(grads, first, last, shared=shared)
     st.accumulate = poisoned
     res = ex.train_step([(ids, labels)])
     assert res.skipped and not (res.grad_norm < float("inf"))

@@ -20,6 +20,8 @@ def lora_model(family: str):
 @pytest.mark.parametrize("family,plan_name,max_norm", [
     ("llama", "params_host", None), ("qwen2", "mixed_segments", 0.3), ("mixtral", "params_nvme", 0.3),
     ("llama", "acts_nvme", 0.3),
+    # tied embeddings: the frozen embedding matrix streams to the head as well
+    ("qwen2-tied", "params_host", 0.3), ("llama-tied", "params_nvme", None),
 ])
 def test_lora_matches_peft(family, plan_name, max_norm, tmp_path):
     model = lora_model(family)

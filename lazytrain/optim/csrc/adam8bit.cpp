@@ -235,6 +235,181 @@ void block_avx512(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv,
   *am = amax_m;
   *av = amax_v;
 }
+
+#if defined(__AVX512VBMI__)
+#define LT_VBMI 1
+// VBMI kernel, 64 elements per iteration. Every code value is bf16-representable (at most 6
+// mantissa bits, checked when the tables are built), so dequantising is two byte-table lookups
+// (low and high byte of the bf16) with 2-source byte permutes, and quantising needs only the top
+// 16 bits of the float: the rounding bias and shift of every binade are multiples of 2**16
+// (shift >= 17), so (mag + half) >> shift == (mag16 + half16) >> (shift - 16) exactly, done on
+// 32 16-bit lanes per instruction. Same results as quant()/code[] above, bit for bit.
+// Software prefetch distance in elements (0: off); set_prefetch() tunes it.
+int64_t kPrefetch = 1024;
+
+struct BMap {
+  __m512i lo[4], hi[4];          // byte planes of the bf16 code values, 64 entries per register
+  __m512i shift, half, bias;     // 16-bit per-binade tables (32 entries)
+  __m512i exp_lo, top, min_code; // 16-bit broadcasts
+  bool is_signed;
+  explicit BMap(const Map& q) {
+    alignas(64) uint8_t lo_b[256], hi_b[256];
+    for (int k = 0; k < 256; ++k) {
+      uint32_t u;
+      std::memcpy(&u, q.code + k, 4);
+      TORCH_CHECK((u & 0xFFFFu) == 0, "code value ", k, " is not bf16-representable");
+      lo_b[k] = static_cast<uint8_t>(u >> 16);
+      hi_b[k] = static_cast<uint8_t>(u >> 24);
+    }
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_loadu_si512(lo_b + 64 * j);
+      hi[j] = _mm512_loadu_si512(hi_b + 64 * j);
+    }
+    alignas(64) int16_t sh[32], ha[32], bi[32];
+    for (int t = 0; t < kTable; ++t) {
+      TORCH_CHECK(q.shift[t] >= 17 && q.shift[t] <= 23 && q.half[t] == (1 << (q.shift[t] - 1)),
+                  "exponent map entry ", t, " keeps more than 6 mantissa bits");
+      TORCH_CHECK(q.bias[t] >= -32768 && q.bias[t] <= 32767, "exponent map bias out of int16 range");
+      sh[t] = static_cast<int16_t>(q.shift[t] - 16);
+      ha[t] = static_cast<int16_t>(q.half[t] >> 16);
+      bi[t] = static_cast<int16_t>(q.bias[t]);
+    }
+    shift = _mm512_loadu_si512(sh);
+    half = _mm512_loadu_si512(ha);
+    bias = _mm512_loadu_si512(bi);
+    exp_lo = _mm512_set1_epi16(static_cast<int16_t>(q.exp_lo));
+    top = _mm512_set1_epi16(static_cast<int16_t>(q.top));
+    min_code = _mm512_set1_epi16(static_cast<int16_t>(q.min_code));
+    is_signed = q.is_signed;
+  }
+};
+
+// Byte-permute indices: interleave (lo, hi) bytes into bf16 words ordered so that
+// unpack{lo,hi}_epi16(0, W) yields elements in natural order (see dequant64).
+struct Perm {
+  __m512i w0, w1, hi16;
+  Perm() {
+    alignas(64) uint8_t a[64], b[64];
+    for (int lane = 0; lane < 4; ++lane)
+      for (int i = 0; i < 4; ++i) {
+        const int p_lo = 8 * lane + i, p_hi = 8 * lane + 4 + i;  // word positions
+        const int e_lo = 4 * lane + i, e_hi = 16 + 4 * lane + i;  // elements they hold (W0)
+        a[2 * p_lo] = e_lo, a[2 * p_lo + 1] = 64 + e_lo;
+        a[2 * p_hi] = e_hi, a[2 * p_hi + 1] = 64 + e_hi;
+        b[2 * p_lo] = 32 + e_lo, b[2 * p_lo + 1] = 64 + 32 + e_lo;
+        b[2 * p_hi] = 32 + e_hi, b[2 * p_hi + 1] = 64 + 32 + e_hi;
+      }
+    w0 = _mm512_loadu_si512(a);
+    w1 = _mm512_loadu_si512(b);
+    alignas(64) int16_t h[32];
+    for (int j = 0; j < 32; ++j) h[j] = static_cast<int16_t>(j < 16 ? 2 * j + 1 : 32 + 2 * (j - 16) + 1);
+    hi16 = _mm512_loadu_si512(h);
+  }
+};
+
+inline __m512i lut256(__m512i c, __mmask64 top_bit, const __m512i* t) {
+  const __m512i a = _mm512_permutex2var_epi8(t[0], c, t[1]);
+  const __m512i b = _mm512_permutex2var_epi8(t[2], c, t[3]);
+  return _mm512_mask_blend_epi8(top_bit, a, b);
+}
+
+// 64 code bytes -> 4 x 16 floats (code values, not yet scaled by the absmax), natural order.
+inline void dequant64(__m512i c, const BMap& q, const Perm& pm, __m512* out) {
+  const __mmask64 tb = _mm512_movepi8_mask(c);
+  const __m512i lo = lut256(c, tb, q.lo), hi = lut256(c, tb, q.hi);
+  const __m512i w0 = _mm512_permutex2var_epi8(lo, pm.w0, hi);
+  const __m512i w1 = _mm512_permutex2var_epi8(lo, pm.w1, hi);
+  const __m512i z = _mm512_setzero_si512();
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w0));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w0));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w1));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w1));
+}
+
+// 32 normalised floats (x0: elements 0..15, x1: 16..31) -> 32 code bytes.
+inline __m256i quant32(__m512 x0, __m512 x1, const BMap& q, const Perm& pm) {
+  const __m512i w = _mm512_permutex2var_epi16(_mm512_castps_si512(x0), pm.hi16, _mm512_castps_si512(x1));
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+  __m512i t = _mm512_sub_epi16(_mm512_srli_epi16(mag, 7), q.exp_lo);
+  t = _mm512_min_epi16(_mm512_max_epi16(t, _mm512_setzero_si512()), _mm512_set1_epi16(kTable - 1));
+  const __m512i shift = _mm512_permutexvar_epi16(t, q.shift);
+  const __m512i half = _mm512_permutexvar_epi16(t, q.half);
+  const __m512i bias = _mm512_permutexvar_epi16(t, q.bias);
+  __m512i k = _mm512_add_epi16(_mm512_srlv_epi16(_mm512_add_epi16(mag, half), shift), bias);
+  k = _mm512_min_epi16(_mm512_max_epi16(k, q.min_code), q.top);
+  if (q.is_signed)
+    k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi16(w, 8), _mm512_set1_epi16(0x80)));
+  return _mm512_cvtepi16_epi8(k);
+}
+
+template <typename G>
+inline __m512 load_grad16(const G* g) {
+  if constexpr (std::is_same_v<G, float>) return _mm512_loadu_ps(g);
+  else return load_grad(g, static_cast<__mmask16>(0xFFFF));
+}
+
+// One block; the full 64-element chunks run here, a tail (< 64) through block_scalar-equivalent
+// masked code in block_avx512 is avoided by the caller only ever passing n % 64 == 0 here.
+template <typename G>
+void block_vbmi(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv, float* am, float* av,
+                int64_t n, const Hyper& h, float clip, const BMap& bm, const BMap& bv, const Perm& pm,
+                float* mbuf, float* vbuf) {
+  const __m512 vam = _mm512_set1_ps(*am), vav = _mm512_set1_ps(*av);
+  const __m512 b1 = _mm512_set1_ps(h.b1), omb1 = _mm512_set1_ps(h.omb1);
+  const __m512 b2 = _mm512_set1_ps(h.b2), omb2 = _mm512_set1_ps(h.omb2);
+  const __m512 eps = _mm512_set1_ps(h.eps), decay = _mm512_set1_ps(h.decay);
+  const __m512 step = _mm512_set1_ps(h.step_size), ibc2 = _mm512_set1_ps(h.inv_bc2_sqrt);
+  const __m512 vclip = _mm512_set1_ps(clip);
+  __m512 mx_m = _mm512_setzero_ps(), mx_v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 64) {
+    // Software prefetch PF elements ahead (may run past the block into the next one of the same
+    // tensor: harmless hints). Hardware prefetchers stop at 4 KiB page boundaries.
+    if (kPrefetch > 0) {
+      const int64_t pf = i + kPrefetch;
+      _mm_prefetch(reinterpret_cast<const char*>(qm + pf), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qv + pf), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + pf + 16 * j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(g + pf + 16 * j * sizeof(float) / sizeof(G)), _MM_HINT_T0);
+      }
+    }
+    __m512 cm[4], cv[4];
+    dequant64(_mm512_loadu_si512(qm + i), bm, pm, cm);
+    dequant64(_mm512_loadu_si512(qv + i), bv, pm, cv);
+    for (int j = 0; j < 4; ++j) {
+      const int64_t o = i + 16 * j;
+      const __m512 gi = _mm512_mul_ps(load_grad16(g + o), vclip);
+      __m512 m = _mm512_mul_ps(cm[j], vam);
+      __m512 v = _mm512_mul_ps(cv[j], vav);
+      m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(gi, omb1));
+      v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
+      __m512 wi = _mm512_mul_ps(_mm512_loadu_ps(w + o), decay);
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
+      wi = _mm512_sub_ps(wi, _mm512_mul_ps(_mm512_div_ps(m, denom), step));
+      _mm512_storeu_ps(w + o, wi);
+      if (pbf) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf + o), to_bf16(wi));
+      _mm512_store_ps(mbuf + o, m);
+      _mm512_store_ps(vbuf + o, v);
+      mx_m = _mm512_max_ps(mx_m, _mm512_abs_ps(m));
+      mx_v = _mm512_max_ps(mx_v, v);
+    }
+  }
+  const float amax_m = _mm512_reduce_max_ps(mx_m), amax_v = _mm512_reduce_max_ps(mx_v);
+  const __m512 im = _mm512_set1_ps(inv_or_zero(amax_m)), iv = _mm512_set1_ps(inv_or_zero(amax_v));
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 m0 = _mm512_mul_ps(_mm512_load_ps(mbuf + i), im);
+    const __m512 m1 = _mm512_mul_ps(_mm512_load_ps(mbuf + i + 16), im);
+    const __m512 v0 = _mm512_mul_ps(_mm512_load_ps(vbuf + i), iv);
+    const __m512 v1 = _mm512_mul_ps(_mm512_load_ps(vbuf + i + 16), iv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qm + i), quant32(m0, m1, bm, pm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qv + i), quant32(v0, v1, bv, pm));
+  }
+  *am = amax_m;
+  *av = amax_v;
+}
+#else
+#define LT_VBMI 0
+#endif
 #endif
 
 Tables tables_from(const at::Tensor& code_s, const at::Tensor& code_u, const at::Tensor& qtab,
@@ -253,6 +428,15 @@ Tables tables_from(const at::Tensor& code_s, const at::Tensor& code_u, const at:
 }  // namespace
 
 bool has_avx512() { return LT_AVX512; }
+#ifndef LT_VBMI
+#define LT_VBMI 0
+#endif
+bool has_vbmi() { return LT_VBMI; }
+void set_prefetch(int64_t d) {
+#if LT_VBMI
+  kPrefetch = d;
+#endif
+}
 
 // Update a list of tensors in one parallel region over all their blocks.
 // weights[i]: fp32 flat (the master when params[i] is bf16, else the param itself);
@@ -277,8 +461,15 @@ void adam8bit_step(const std::vector<at::Tensor>& weights, const std::vector<at:
     first_block[i + 1] = first_block[i] + ams[i].numel();
   }
   const float fclip = static_cast<float>(clip);
+#if LT_VBMI
+  const BMap bm(t.m), bv(t.v);
+  const Perm pm;
+#endif
   at::parallel_for(0, first_block[nt], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> mbuf(block_size), vbuf(block_size);
+    // Scratch for one block's new m and v (64-byte aligned for the aligned vector stores).
+    std::vector<float> scratch(2 * block_size + 32);
+    float* mbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    float* vbuf = mbuf + ((block_size + 15) / 16) * 16;
     size_t ti = std::upper_bound(first_block.begin(), first_block.end(), begin) - first_block.begin() - 1;
     for (int64_t blk = begin; blk < end; ++blk) {
       while (blk >= first_block[ti + 1]) ++ti;
@@ -296,23 +487,34 @@ void adam8bit_step(const std::vector<at::Tensor>& weights, const std::vector<at:
       float* am = ams[ti].data_ptr<float>() + b;
       float* av = avs[ti].data_ptr<float>() + b;
       const bool bf16_grad = grads[ti].scalar_type() == at::kBFloat16;
+#if LT_VBMI
+      if (use_simd && n % 64 == 0) {
+        if (bf16_grad)
+          block_vbmi(w, pbf, reinterpret_cast<const uint16_t*>(grads[ti].data_ptr<at::BFloat16>()) + off,
+                     qm, qv, am, av, n, h, fclip, bm, bv, pm, mbuf, vbuf);
+        else
+          block_vbmi(w, pbf, grads[ti].data_ptr<float>() + off, qm, qv, am, av, n, h, fclip, bm, bv, pm,
+                     mbuf, vbuf);
+        continue;
+      }
+#endif
 #if LT_AVX512
       if (use_simd) {
         if (bf16_grad)
           block_avx512(w, pbf, reinterpret_cast<const uint16_t*>(grads[ti].data_ptr<at::BFloat16>()) + off,
-                       qm, qv, am, av, n, h, fclip, t, mbuf.data(), vbuf.data());
+                       qm, qv, am, av, n, h, fclip, t, mbuf, vbuf);
         else
           block_avx512(w, pbf, grads[ti].data_ptr<float>() + off, qm, qv, am, av, n, h, fclip, t,
-                       mbuf.data(), vbuf.data());
+                       mbuf, vbuf);
         continue;
       }
 #endif
       if (bf16_grad)
         block_scalar(w, pbf, reinterpret_cast<const uint16_t*>(grads[ti].data_ptr<at::BFloat16>()) + off,
-                     qm, qv, am, av, n, h, fclip, t, mbuf.data(), vbuf.data());
+                     qm, qv, am, av, n, h, fclip, t, mbuf, vbuf);
       else
         block_scalar(w, pbf, grads[ti].data_ptr<float>() + off, qm, qv, am, av, n, h, fclip, t,
-                     mbuf.data(), vbuf.data());
+                     mbuf, vbuf);
     }
   });
 }
@@ -418,4 +620,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam32_step", &adam32_step, "fp32-state AdamW step over a list of small tensors");
   m.def("grad_sq_sum", &grad_sq_sum, "fp32 sum of squared gradients (deterministic chunking)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 kernels were compiled in");
+  m.def("set_prefetch", &set_prefetch, "software prefetch distance of the VBMI kernel, in elements (0: off)");
+  m.def("has_vbmi", &has_vbmi, "whether the AVX-512 VBMI kernel (byte-table dequantisation) was compiled in");
 }
