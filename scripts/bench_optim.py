@@ -5,7 +5,8 @@
 
 Every optimizer updates its own copy of the same fp32 parameters (Llama-like shapes: fused qkv,
 o, gate, up, down matrices and RMSNorm weights per layer) with the same gradients. Rounds are
-interleaved (one step of each variant per round) so machine-load drift hits all alike; the table
+interleaved (one step of each variant per round) so machine-load drift hits all alike, and before
+every timed step (untimed) each variant's gradients are restored to the originals; the table
 shows the median step time per variant, with clipping (``clip_grad_norm_`` before the step, or
 lazytrain's folded-in ``max_grad_norm``) and without. Peers: torch AdamW(fused=True), bitsandbytes
 AdamW8bit, torchao AdamW8bit, DeepSpeedCPUAdam (adamw_mode=True); a peer that fails to import or
@@ -48,6 +49,7 @@ class Variant:
     name: str
     clip: bool
     step: Callable[[], None] | None = None
+    reset: Callable[[], None] | None = None  # untimed: restore the original gradients
     state_bytes: Callable[[], int] | None = None
     times_s: list[float] = field(default_factory=list)
     error: str | None = None
@@ -95,9 +97,18 @@ def build_variants(shapes: list[tuple[int, ...]]) -> list[Variant]:
                     opt.step()
             else:
                 step = opt.step
+            grads0 = [p.grad.clone() for p in params]
+
+            def reset(params=params, grads0=grads0):
+                # clip_grad_norm_ rescales gradients in place: without this they would shrink
+                # round after round (towards denormals) for the peers that clip that way.
+                for p, g0 in zip(params, grads0):
+                    p.grad.copy_(g0)
+
             step()  # warm-up: allocates states, compiles/builds kernels
+            reset()
             step()
-            v.step = step
+            v.step, v.reset = step, reset
             v.state_bytes = lambda opt=opt: optimizer_state_bytes(opt)
         except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
             v.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ''}"
@@ -157,6 +168,7 @@ def main() -> None:
     live = [v for v in variants if v.step is not None]
     for r in range(args.rounds):
         for v in live:
+            v.reset()
             t0 = time.perf_counter()
             v.step()
             v.times_s.append(time.perf_counter() - t0)

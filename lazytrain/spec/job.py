@@ -56,8 +56,9 @@ class JobSpec:
 
     @property
     def optimizer_state_bytes_per_param(self) -> float:
-        """m and v: 2 x 4 bytes in fp32; 2 x (1 byte + an fp32 absmax per 4096-block) in 8-bit."""
-        return 8.0 if self.optimizer_state_bits == 32 else 2.0 * (1 + 4 / 4096)
+        """m and v: 2 x 4 bytes in fp32; 2 x (1 byte + an fp32 absmax per 256-block) in 8-bit
+        (AdamW8bit's default block)."""
+        return 8.0 if self.optimizer_state_bits == 32 else 2.0 * (1 + 4 / 256)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
