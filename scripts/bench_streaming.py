@@ -12,7 +12,8 @@
     weights + gradients + optimizer state held there + the saved-for-backward tensors (unique
     storages, tracked by saved-tensor hooks). Batches are extrapolated from batch 1 and 2 and then
     verified by running the largest one (it must fit) and one more (it must not).
-(c) predicted (planner) vs measured step time and device peak, for the plan `plan_job` makes.
+(c) predicted (planner) vs measured step time and device peak, for the plan `plan_job` makes with
+    the static `cpu` hardware profile and with this machine measured first (as `lazytrain profile`).
 The results table is printed last.
 """
 
@@ -277,6 +278,21 @@ def section_b(args, model, nvme_dir) -> list[tuple]:
 
 
 # ---- (c) predicted vs measured -----------------------------------------------------------------
+def measured_hardware(base, spec, args, nvme_dir):
+    """`base` with this machine's measured figures (what `lazytrain profile` writes): copy and
+    O_DIRECT rates, the bf16 matmul peak and the efficiency of this model's blocks."""
+    from lazytrain.profile.hardware import measured_spec
+    from lazytrain.profile.layers import measure_layers
+    from lazytrain.profile.links import measure_copies, measure_disk, measure_matmul_tflops
+
+    cpu = torch.device("cpu")
+    copies = measure_copies(128 * 2**20, 3, cpu)
+    disk = measure_disk(nvme_dir, 128 * 2**20, repeats=2)
+    peak = measure_matmul_tflops(torch.bfloat16, cpu)
+    layers = measure_layers(spec, args.batch, args.seq, "bf16", cpu, repeats=3)
+    return measured_spec(base, copies, disk, peak, layers)
+
+
 def section_c(args, model, nvme_dir) -> list[tuple]:
     try:
         import yaml
@@ -289,31 +305,39 @@ def section_c(args, model, nvme_dir) -> list[tuple]:
     root = Path(__file__).resolve().parents[1]
     hw_dict = yaml.safe_load((root / "configs/hardware/cpu.yaml").read_text())
     hw_dict["device_memory_gib"] = args.budget_c_gib
-    hw = HardwareSpec.from_dict(hw_dict)
+    static = HardwareSpec.from_dict(hw_dict)
     job = JobSpec(batch_size=args.batch, seq_len=args.seq, compute_dtype="bf16")
     spec = ModelSpec.from_hf_config(model_config(args), name="bench-llama")
-    plan = plan_job(spec, hw, job, PlannerOptions(), cache_dir=str(root / "solver_cache"))
-    if not plan.fits:
-        return [("c", "predicted vs measured", "n/a", "", "planner: " + " ".join(plan.explanation))]
-    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", nvme_dir=nvme_dir, lr=1e-4)
-    mbs = batch(args.batch, args.seq, args.vocab)
-    ex.train_step(mbs)
-    res, times = [], []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        res.append(ex.train_step(mbs))
-        ex.wait()
-        times.append(time.perf_counter() - t0)
-    ex.close()
-    t = statistics.median(times)
-    kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(ex.acct.peak_by_kind.items()) if v)
-    peak = max(r.device_peak_bytes for r in res)
-    pt, pp = plan.predicted.step_time_s, plan.predicted.peak_bytes.get("device", 0)
-    return [("c", f"step time, {plan.method} plan @ {args.budget_c_gib} GiB", f"{t:.2f} s",
-             f"pred {pt:.2f} s ({(t - pt) / pt * 100:+.0f}%)" if pt else "no prediction", ""),
-            ("c", "device peak", f"{peak / 2**20:.0f} MiB",
-             f"pred {pp / 2**20:.0f} MiB ({(peak - pp) / pp * 100:+.0f}%)" if pp else "no prediction",
-             f"MiB at peak: {kinds}")]
+    measured = measured_hardware(static, spec, args, nvme_dir)
+    print(f"(c) measured profile: matmul {measured.device_tflops * 1e3:.0f} GFLOP/s x efficiency "
+          f"{measured.efficiency:.2f}, copies {measured.h2d_gbps:.1f} GB/s, NVMe read "
+          f"{measured.nvme_read_gbps:.2f} / write {measured.nvme_write_gbps:.2f} GB/s", flush=True)
+    rows = []
+    for label, hw in (("`cpu` profile", static), ("measured profile", measured)):
+        plan = plan_job(spec, hw, job, PlannerOptions(), cache_dir=str(root / "solver_cache"))
+        if not plan.fits:
+            rows.append(("c", f"predicted vs measured ({label})", "n/a", "", "planner: " + " ".join(plan.explanation)))
+            continue
+        ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", nvme_dir=nvme_dir, lr=1e-4)
+        mbs = batch(args.batch, args.seq, args.vocab)
+        ex.train_step(mbs)
+        res, times = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            res.append(ex.train_step(mbs))
+            ex.wait()
+            times.append(time.perf_counter() - t0)
+        ex.close()
+        t = statistics.median(times)
+        kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(ex.acct.peak_by_kind.items()) if v)
+        peak = max(r.device_peak_bytes for r in res)
+        pt, pp = plan.predicted.step_time_s, plan.predicted.peak_bytes.get("device", 0)
+        rows += [("c", f"step time, {plan.method} plan @ {args.budget_c_gib} GiB, {label}", f"{t:.2f} s",
+                  f"pred {pt:.2f} s ({(t - pt) / pt * 100:+.0f}%)" if pt else "no prediction", ""),
+                 ("c", f"device peak, {label}", f"{peak / 2**20:.0f} MiB",
+                  f"pred {pp / 2**20:.0f} MiB ({(peak - pp) / pp * 100:+.0f}%)" if pp else "no prediction",
+                  f"MiB at peak: {kinds}")]
+    return rows
 
 
 def main() -> None:
