@@ -146,7 +146,8 @@ class LayerTrainState:
         """AdamW on this layer's fp32 master, then `write_params(master_fp32)` publishes weights."""
         s = self.trace.now()
         grad = self._load("grad", self.grad_tier)
-        if clip_scale is not None:
+        if clip_scale is not None and float(clip_scale) != 1.0:
+            # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly)
             grad.mul_(clip_scale)
         master = self._load("master", self.optimizer_tier)
         if opt8 is not None:
