@@ -13,8 +13,11 @@ DeepSpeed's config comes from the same Plan via ds_config_from_plan (so both rec
 blocks), every DeepSpeed setting is printed. Reported: median step time over --steps timed steps
 after --warmup, DeepSpeed's step time over the engine's (>1: faster than DeepSpeed; against ZeRO-3
 CPU offload and against the DeepSpeed row of the same tier), peak RSS, first-step loss minus plain PyTorch's, and the
-largest batch whose peak RSS fits --mem-limit-gib (extrapolated linearly from peak RSS measured at
-batch 1 and --probe-batch; marked "~").
+largest batch whose peak RSS fits --mem-limit-gib. For that column every engine runs in its most
+memory-frugal setting: each decoder block recomputed from its own kept input (DeepSpeed: the same
+per-block Hugging Face checkpointing; lazytrain: the kept inputs on the engine's tier; plain torch
+keeps everything); peak RSS is measured at batch 1 and --probe-batch, the batch extrapolated
+linearly, and that batch then run once to check that it fits (marked "~" when not checked).
 """
 
 from __future__ import annotations
@@ -49,9 +52,13 @@ def model_config(a: argparse.Namespace) -> dict:
 
 # ---- plans (parent process; the planner imports no torch) --------------------------------------
 
-def make_plan(a: argparse.Namespace, batch: int, tier: str):
+def make_plan(a: argparse.Namespace, batch: int, tier: str, frugal: bool = False):
     """The MILP plan for the cpu hardware profile with every layer's parameter and optimizer tier
-    pinned to `tier` (the planner decides recompute and activation placement)."""
+    pinned to `tier` (the planner decides recompute and activation placement).
+
+    frugal: the memory-frugal configuration used for the max-batch column instead: every decoder
+    block recomputed from its own kept input (DeepSpeed gets the same per-block checkpointing),
+    the kept inputs on `tier`."""
     from lazytrain.cli.config import hardware_spec, load_config
     from lazytrain.plan import PlannerOptions, plan_job
     from lazytrain.spec import JobSpec, ModelSpec
@@ -65,7 +72,12 @@ def make_plan(a: argparse.Namespace, batch: int, tier: str):
     # gradients stay in host memory: DeepSpeed cannot put them on NVMe, so neither does lazytrain here
     layers = tuple(dataclasses.replace(d, param_tier=tier, optimizer_tier=tier, grad_tier="host")
                    for d in plan.layers)
-    return dataclasses.replace(plan, layers=layers, method=plan.method + f"+pinned:{tier}")
+    method = plan.method + f"+pinned:{tier}"
+    if frugal:
+        layers = tuple(dataclasses.replace(d, recompute=True, segment_start=d.index, activation_tier=tier)
+                       if d.kind == "block" else d for d in layers)
+        method += "+recompute-all"
+    return dataclasses.replace(plan, layers=layers, method=method)
 
 
 # ---- worker (one engine, one process) ----------------------------------------------------------
@@ -181,16 +193,17 @@ def _model_args(a: argparse.Namespace) -> list[str]:
             "--heads", str(a.heads), "--vocab", str(a.vocab), "--seq", str(a.seq)]
 
 
-def prepare(a: argparse.Namespace, engine: str, batch: int, tmp: Path) -> tuple[Path | None, Path | None, list[str], str | None]:
+def prepare(a: argparse.Namespace, engine: str, batch: int, tmp: Path,
+            frugal: bool = False) -> tuple[Path | None, Path | None, list[str], str | None]:
     """Plan and DeepSpeed config files for one engine run; (plan, ds_config, dropped, pending reason)."""
     if engine == "torch":
         return None, None, [], None
     tier = "nvme" if engine.endswith("nvme") else "host"
     try:
-        plan = make_plan(a, batch, tier)
+        plan = make_plan(a, batch, tier, frugal=frugal)
     except Exception as e:  # the planner is being built alongside this script
         return None, None, [], f"planner unavailable ({type(e).__name__}: {e})"
-    plan_path = tmp / f"plan-{tier}-b{batch}.json"
+    plan_path = tmp / f"plan-{tier}-b{batch}{'-frugal' if frugal else ''}.json"
     plan_path.write_text(plan.to_json())
     if engine.startswith("lt-"):
         try:
@@ -205,7 +218,7 @@ def prepare(a: argparse.Namespace, engine: str, batch: int, tmp: Path) -> tuple[
     if msg:
         return None, None, [], msg
     cfg, dropped = ds_config_from_plan(plan, nvme_dir=os.path.join(a.nvme_dir, f"ds-b{batch}"))
-    ds_path = tmp / f"ds-{tier}-b{batch}.json"
+    ds_path = tmp / f"ds-{tier}-b{batch}{'-frugal' if frugal else ''}.json"
     ds_path.write_text(json.dumps(cfg, indent=1))
     return plan_path, ds_path, dropped, None
 
@@ -222,6 +235,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="engines run interleaved this many times")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--probe-batch", type=int, default=4, help="second batch size for the RSS fit; 0: skip")
+    p.add_argument("--max-batch-cap", type=int, default=128, help="largest batch the max-batch column reports")
+    p.add_argument("--no-verify-max-batch", dest="verify_max_batch", action="store_false",
+                   help="do not run the extrapolated max batch once to check it fits")
     p.add_argument("--mem-limit-gib", type=float, default=12.0, help="peak-RSS limit for the max-batch column")
     p.add_argument("--nvme-dir", default=os.path.join(tempfile.gettempdir(), "lazytrain-bench-nvme"))
     p.add_argument("--hidden", type=int, default=1024)
@@ -287,12 +303,34 @@ def main() -> int:
                     rows[e]["peak_rss_bytes"] = max(rows[e]["peak_rss_bytes"], r["peak_rss_bytes"])
                 if "step_times_s" in rows[e]:
                     rows[e]["median_step_s"] = statistics.median(rows[e]["step_times_s"])
+        # Largest batch under --mem-limit-gib: every engine in its most memory-frugal setting
+        # (each block recomputed from its kept input; the plain torch reference keeps everything),
+        # peak RSS measured at batch 1 and --probe-batch, the batch extrapolated linearly, then
+        # run once to check that it really fits.
         for e, (_, _, _, pending) in prepared.items():
-            if a.probe_batch and not pending and "error" not in rows.get(e, {"error": 1}):
-                pp, dp, _, pend = prepare(a, e, a.probe_batch, tmp)
-                if not pend:
-                    probes[e] = run_worker(a, e, a.probe_batch, pp, dp, steps=1, warmup=0)
-                    print(f"[{e}] probe batch {a.probe_batch}: {json.dumps(probes[e])}", flush=True)
+            if not a.probe_batch or pending or "error" in rows.get(e, {"error": 1}):
+                continue
+            probe: dict = {}
+            for b in (1, a.probe_batch):
+                pp, dp, _, pend = prepare(a, e, b, tmp, frugal=True)
+                if pend:
+                    break
+                probe[b] = run_worker(a, e, b, pp, dp, steps=1, warmup=0)
+                print(f"[{e}] frugal probe batch {b}: {json.dumps(probe[b])}", flush=True)
+            if len(probe) < 2 or any("peak_rss_bytes" not in r for r in probe.values()):
+                continue
+            r1, r2 = probe[1]["peak_rss_bytes"], probe[a.probe_batch]["peak_rss_bytes"]
+            slope = (r2 - r1) / (a.probe_batch - 1)
+            limit = a.mem_limit_gib * GiB
+            est = 0 if r1 > limit else (a.max_batch_cap if slope <= 0 else
+                                        min(a.max_batch_cap, 1 + int((limit - r1) // slope)))
+            probes[e] = {"rss_b1": r1, "slope": slope, "estimate": est}
+            if est >= 1 and a.verify_max_batch:
+                pp, dp, _, _ = prepare(a, e, est, tmp, frugal=True)
+                v = run_worker(a, e, est, pp, dp, steps=1, warmup=0)
+                print(f"[{e}] verify batch {est}: {json.dumps(v)}", flush=True)
+                probes[e]["verified_rss"] = v.get("peak_rss_bytes")
+                probes[e]["verify_error"] = v.get("error")
     print_table(a, rows, probes)
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs; above that, "
           f"other processes shared the cores and absolute times are inflated)")
@@ -310,7 +348,7 @@ def print_table(a: argparse.Namespace, rows: dict[str, dict], probes: dict[str, 
     limit = a.mem_limit_gib * GiB
     header = (f"{'engine':<8} {'step s (median)':>15} {'tokens/s':>9} {'vs DS cpu':>9} {'vs DS same tier':>15} "
               f"{'peak RSS GiB':>12} "
-              f"{'loss0 - torch':>13} {f'max batch @{a.mem_limit_gib:g} GiB':>18}")
+              f"{'loss0 - torch':>13} {f'max batch @{a.mem_limit_gib:g} GiB':>26}")
     print("\n" + header)
     print("-" * len(header))
     for e, r in rows.items():
@@ -325,16 +363,18 @@ def print_table(a: argparse.Namespace, rows: dict[str, dict], probes: dict[str, 
         dloss = f"{r['losses'][0] - ref_loss:+.4f}" if ref_loss is not None else "-"
         mb = "-"
         q = probes.get(e)
-        if q and "peak_rss_bytes" in q:
-            slope = (q["peak_rss_bytes"] - r["peak_rss_bytes"]) / (a.probe_batch - a.batch)
-            if r["peak_rss_bytes"] > limit:
-                mb = "0"
-            elif slope <= 0:
-                mb = f">={a.probe_batch}"
+        if q:
+            mb = str(q["estimate"])
+            if "verified_rss" in q:
+                if q.get("verify_error"):
+                    mb += " (run failed)"
+                elif q["verified_rss"] is not None:
+                    ok = q["verified_rss"] <= limit
+                    mb += f" ({'fits' if ok else 'OVER'}: {q['verified_rss'] / GiB:.1f} GiB)"
             else:
-                mb = f"~{a.batch + int((limit - r['peak_rss_bytes']) // slope)}"
+                mb = "~" + mb
         print(f"{e:<8} {med:>15.2f} {a.batch * a.seq / med:>9.0f} {ratio_cpu:>9} {ratio:>15} "
-              f"{fmt_gib(r['peak_rss_bytes']):>12} {dloss:>13} {mb:>18}")
+              f"{fmt_gib(r['peak_rss_bytes']):>12} {dloss:>13} {mb:>26}")
 
 
 if __name__ == "__main__":
