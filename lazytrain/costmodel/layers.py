@@ -17,9 +17,11 @@ class LayerCost:
     kind: str                 # embed | block | head
     index: int
     param_bytes: int          # compute-dtype weights one use of the layer needs on the device
-    param_store_bytes: int    # what its param tier stores (0 for a tied head: the embed holds it)
+    param_store_bytes: int    # what its param tier stores (a tied head: its norm; the embed holds
+                              # the matrix it borrows, param_bytes - param_store_bytes)
     trainable_params: int     # updated by the host optimizer (0 for LoRA base weights)
-    grad_device_bytes: int    # compute-dtype grads leaving the device per micro-batch
+    grad_device_bytes: int    # compute-dtype grads leaving the device per micro-batch (a tied
+                              # head's include the borrowed matrix's, handed to the embed)
     grad_store_bytes: int     # fp32 grads on the grad tier
     optimizer_bytes: int      # fp32 master + both moments on the optimizer tier
     fwd_s: float
@@ -64,6 +66,9 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         tied_head = spec.kind == "head" and model.tie_word_embeddings
         stream_params = spec.param_count + (model.vocab_size * model.hidden_size if tied_head else 0)
         trainable = spec.param_count if full else 0
+        # the tied head's backward also yields the matrix's gradient, which leaves the device at once
+        # (the executor hands it to the embed's backward on the host)
+        borrowed_grad = model.vocab_size * model.hidden_size if (tied_head and full) else 0
         # bf16 saved bytes in the spec assume 2-byte compute; scale if the job computes in fp32
         act = spec.saved_bytes(tokens) * cb // 2
         if spec.kind == "block":
@@ -78,7 +83,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         out.append(LayerCost(
             name=spec.name, kind=spec.kind, index=spec.index,
             param_bytes=stream_params * cb, param_store_bytes=spec.param_count * cb,
-            trainable_params=trainable, grad_device_bytes=trainable * cb,
+            trainable_params=trainable, grad_device_bytes=(trainable + borrowed_grad) * cb,
             grad_store_bytes=trainable * 4, optimizer_bytes=int(trainable * opt_per_param),
             fwd_s=spec.flops_fwd(tokens, job.seq_len) / flops,
             bwd_s=spec.flops_bwd(tokens, job.seq_len, weight_grads=full) / flops,

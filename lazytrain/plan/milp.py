@@ -8,6 +8,8 @@ Variables
 - zh[j], zn[j]  reload products: block j recomputed-not-last AND streamed (from NVMe).
 - Bmax, Bnvme, Smax  largest streamed layer, largest NVMe layer, largest offloaded item
               (size the device's streaming buffers, the host's bounce buffers, the staging buffers).
+              A tied head's use streams its own weights and/or the embedding's matrix, each as its
+              owner's tier says (`ops.weight_parts`): linear in p, no product needed.
 - D[b]        device bytes kept by segments ending at or before boundary b.
 - P           device peak; U[k] (last micro-batch) and W[k] (others) window lengths.
 Objective: (G-1) * sum W + sum U (= predicted step time) + a tiny tie-breaker on the device peak.
@@ -27,7 +29,7 @@ import pulp
 from ..costmodel import JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence
+from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence, weight_parts
 
 
 
@@ -155,6 +157,17 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     def pv(j, t):
         return p.get((j, t), 0)
 
+    # Bytes one use of layer j brings to the device / reads from NVMe. A tied head's parts live on
+    # two tiers: its own on its tier, the embedding's matrix on the embedding's (resident: counted
+    # once, with the embedding; streamed: fetched for the head as the executor's streamer does).
+    parts = [weight_parts(costs, j) for j in range(N)]
+
+    def fetched_bytes(j):
+        return sum(b * (1 - pv(owner, "device")) for owner, b in parts[j])
+
+    def nvme_read_bytes(j):
+        return sum(b * pv(owner, "nvme") for owner, b in parts[j])
+
     # Symmetry breaking: consecutive identical blocks are interchangeable in the window model, so
     # order their tiers (device-resident first, NVMe last). This removes the permutations that
     # otherwise keep branch-and-bound busy proving optimality, and loses nothing.
@@ -179,10 +192,10 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     Bnvme = pulp.LpVariable("Bnvme", lowBound=0)
     Smax = pulp.LpVariable("Smax", lowBound=0)
     # Memory rows are written in GiB: byte-sized coefficients sit below solver tolerances.
-    for j, c in enumerate(layers):
-        prob += Bmax >= c.param_bytes / GiB * (1 - pv(j, "device")), f"bmax_{j}"
+    for j in range(N):
+        prob += Bmax >= fetched_bytes(j) / GiB, f"bmax_{j}"
         if allow_nvme:
-            prob += Bnvme >= c.param_bytes / GiB * pv(j, "nvme"), f"bnvme_{j}"
+            prob += Bnvme >= nvme_read_bytes(j) / GiB, f"bnvme_{j}"
     for c in cand:
         off = [x[(*c, t)] for t in seg_tiers[c] if t != "device"]
         if off:
@@ -190,7 +203,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
 
     # ---- device memory --------------------------------------------------------------------
     base = (costs.device_static_bytes / GiB
-            + pulp.lpSum(c.param_bytes / GiB * pv(j, "device") for j, c in enumerate(layers))
+            + pulp.lpSum(c.param_store_bytes / GiB * pv(j, "device") for j, c in enumerate(layers))
             + depth * Bmax + 2 * Smax)
     D = [pulp.LpVariable(f"D_{b}", lowBound=0) for b in range(L + 1)]
     prob += D[0] == 0, "D_0"
@@ -243,9 +256,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                 res[k]["compute"] += c.bwd_s + (c.fwd_s * rec[op.layer] if op.layer in rec else 0)
             nxt = ops[(k + 1) % K]
             n = layers[nxt.layer]
-            streamed = 1 - pv(nxt.layer, "device")
-            res[k]["h2d"] += n.param_bytes * streamed
-            res[k]["nvme_read"] += n.param_bytes * pv(nxt.layer, "nvme")
+            res[k]["h2d"] += fetched_bytes(nxt.layer)
+            res[k]["nvme_read"] += nvme_read_bytes(nxt.layer)
             if nxt.kind == BWD and nxt.layer in zh:
                 res[k]["h2d"] += n.param_bytes * zh[nxt.layer]
                 if nxt.layer in zn:
@@ -276,7 +288,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                         res[k_g]["nvme_read"] += c.optimizer_bytes * o[j, "nvme"]
                         res[k_g]["nvme_write"] += c.optimizer_bytes * o[j, "nvme"]
                     res[k_g]["nvme_write"] += c.param_store_bytes * pv(j, "nvme")
-                    res[k_g]["h2d"] += c.param_bytes * pv(j, "device")
+                    res[k_g]["h2d"] += c.param_store_bytes * pv(j, "device")
         return res
 
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,

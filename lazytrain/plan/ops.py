@@ -12,6 +12,9 @@ the sum of its windows. Transfers are charged as follows (the sequence is cyclic
 window prefetches the next step's first layer):
 - parameters of the op after this one (prefetch), from host (h2d) or NVMe (nvme_read + h2d);
   a recomputed block that is not the last of its segment is fetched twice (recompute + backward);
+  a tied head's weights are its own (on its param tier) plus the embedding's matrix (on the
+  embedding's tier: counted once, with the embedding, when resident; fetched for the head when
+  streamed), see `weight_parts`;
 - a kept activation leaves the device in the window after it is produced (d2h, + nvme_write);
   it comes back in the window before the backward op that needs it (+ nvme_read, h2d);
 - a block's gradients leave in the window after its backward (d2h); with gradient accumulation on
@@ -32,6 +35,18 @@ FWD, HEAD, BWD = "F", "H", "B"
 class Op:
     kind: str   # F | H | B
     layer: int  # execution index
+
+
+def weight_parts(costs, j: int) -> tuple[tuple[int, int], ...]:
+    """(owner layer, bytes) of the weights layer j computes with. Its own live on its param tier;
+    a tied head also borrows the embedding's matrix, which lives on layer 0's tier (the executor's
+    `borrows`: one buffer, resident with the embedding or fetched for the head)."""
+    c = costs.layers[j]
+    borrowed = c.param_bytes - c.param_store_bytes
+    if borrowed <= 0:
+        return ((j, c.param_bytes),)
+    assert c.kind == "head", f"{c.name}: only a head tied to the embedding borrows weights"
+    return ((j, c.param_store_bytes), (0, borrowed))
 
 
 def op_sequence(num_blocks: int) -> list[Op]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..costmodel import JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence
+from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence, weight_parts
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -74,16 +74,19 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
             if rec[op.layer]:
                 items[k].append(("compute", "recompute", c.name, "", c.fwd_s))
             items[k].append(("compute", "compute_bwd", c.name, "", c.bwd_s))
-        # prefetch of the next op's parameters (cyclic)
+        # prefetch of the next op's parameters (cyclic); a tied head's parts come from their
+        # owners' tiers (the embedding's matrix is fetched for it only when the embedding streams)
         nxt = ops[(k + 1) % K]
-        tier = a.param_tier[nxt.layer]
-        if tier != "device":
-            n = layers[nxt.layer]
-            times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
+        times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
+        for owner, nbytes in weight_parts(costs, nxt.layer):
+            tier = a.param_tier[owner]
+            if tier == "device":
+                continue
+            name = layers[owner].name
             for _ in range(times):
                 if tier == "nvme":
-                    items[k].append(("nvme_read", "nvme_read", n.name, "params", n.param_bytes))
-                items[k].append(("h2d", "h2d", n.name, "params", n.param_bytes))
+                    items[k].append(("nvme_read", "nvme_read", name, "params", nbytes))
+                items[k].append(("h2d", "h2d", name, "params", nbytes))
 
     for seg in a.segments:
         if seg.tier == "device":
@@ -116,7 +119,7 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
                 if a.param_tier[j] == "nvme":
                     items[k_g].append(("nvme_write", "nvme_write", c.name, "params", c.param_store_bytes))
                 elif a.param_tier[j] == "device":
-                    items[k_g].append(("h2d", "h2d", c.name, "params", c.param_bytes))
+                    items[k_g].append(("h2d", "h2d", c.name, "params", c.param_store_bytes))
     return items
 
 
@@ -129,11 +132,14 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
     """Per-tier peak bytes and the device bytes at each op of a micro-batch."""
     layers = costs.layers
     L = costs.num_blocks
-    streamed = [c.param_bytes for c, t in zip(layers, a.param_tier) if t != "device"]
-    from_nvme = [c.param_bytes for c, t in zip(layers, a.param_tier) if t == "nvme"]
+    # per use of each layer: bytes brought to the device / read from NVMe (a tied head's matrix
+    # counts with the embedding when resident, and in the head's streaming buffer when not)
+    parts = [weight_parts(costs, j) for j in range(L + 2)]
+    streamed = [sum(b for owner, b in ps if a.param_tier[owner] != "device") for ps in parts]
+    from_nvme = [sum(b for owner, b in ps if a.param_tier[owner] == "nvme") for ps in parts]
     offloaded = [s.kept_bytes(costs) for s in a.segments if s.tier != "device"]
     static = (costs.device_static_bytes
-              + sum(c.param_bytes for c, t in zip(layers, a.param_tier) if t == "device")
+              + sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "device")
               + depth * max(streamed, default=0) + 2 * max(offloaded, default=0))
     curve: list[tuple[int, int]] = [(0, static)]  # (window index, device bytes)
     held = 0

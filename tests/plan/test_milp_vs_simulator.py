@@ -1,5 +1,6 @@
 """The MILP's predicted step time and per-tier peaks equal the simulator's replay of the plan it
-returns (within 1%), on random small problems; pinned plans are evaluated identically."""
+returns (within 1%), on random small problems (also with tied input/output embeddings); pinned
+plans are evaluated identically."""
 
 import random
 from dataclasses import replace
@@ -15,10 +16,11 @@ from lazytrain.spec import GiB, JobSpec
 
 
 
-def _random_problem(rng: random.Random, llama, hw):
+def _random_problem(rng: random.Random, llama, hw, tied: bool = False):
     hidden = rng.choice([128, 256, 512])
     model = llama(layers=rng.randint(2, 9), hidden=hidden, inter=hidden * rng.choice([2, 3]),
-                  vocab=rng.choice([512, 4096]), heads=4, kv=rng.choice([1, 2, 4]))
+                  vocab=rng.choice([512, 4096]), heads=4, kv=rng.choice([1, 2, 4]),
+                  **({"tie_word_embeddings": True} if tied else {}))
     job = JobSpec(batch_size=rng.randint(1, 4), seq_len=rng.choice([128, 512, 1024]),
                   grad_accum=rng.choice([1, 1, 3]), mode=rng.choice(["full", "lora"]),
                   optimizer_state_bits=rng.choice([8, 32]))
@@ -37,10 +39,11 @@ def _close(a, b, tol=0.01):
     return abs(a - b) <= tol * max(abs(a), abs(b)) + 1e-12
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("seed", range(14))
-def test_milp_agrees_with_simulator(seed, make_llama, make_hw):
+def test_milp_agrees_with_simulator(seed, tied, make_llama, make_hw):
     rng = random.Random(seed)
-    model, h, job = _random_problem(rng, make_llama, make_hw)
+    model, h, job = _random_problem(rng, make_llama, make_hw, tied=tied)
     costs = job_costs(model, h, job)
     r = solve_milp(costs, h, max_segment_len=rng.choice([2, 4, 8]), time_limit_s=20)
     if r.status == "infeasible":
