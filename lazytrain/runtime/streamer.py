@@ -81,6 +81,13 @@ class ParamStreamer:
         self._free: dict[int, list[torch.Tensor]] = {}   # CPU: reuse device buffers by size
         sizes = [lay.layout.padded_nbytes for lay in layers if lay.tier != "device"]
         self._common_nbytes = max(set(sizes), key=sizes.count) if sizes else -1  # the blocks' size
+        # Streaming buffers held at once (in use + cached for reuse) stay within what the plan
+        # reserves for them: `depth` slots of the largest one (a slot: a layer and what it borrows).
+        # Cached free buffers are released first when a fetch would go over.
+        slot = [sum(layers[j].layout.padded_nbytes for j in (lay.index, *lay.borrows)
+                    if layers[j].tier != "device") for lay in layers]
+        self._cap = self.depth * max(slot, default=0)
+        self._pool_bytes = 0
         for lay in layers:
             if lay.tier == "device" and lay.layout.numel:
                 buf = torch.empty(lay.layout.numel, dtype=lay.layout.dtype, device=device)
@@ -172,6 +179,12 @@ class ParamStreamer:
         free = self._free.get(nb)
         if free:
             return free.pop()
+        while self._pool_bytes + nb > self._cap and any(self._free.values()):
+            bufs = next(b for b in self._free.values() if b)
+            old = bufs.pop()
+            self._pool_bytes -= old.numel()
+            self.acct.free(old.numel(), "params_streamed")
+        self._pool_bytes += nb
         if self.cuda:
             buf = torch.empty(nb, dtype=torch.uint8, device=self.device)
         else:
@@ -246,11 +259,13 @@ class ParamStreamer:
         if not self.cuda and buf.numel() == self._common_nbytes:
             self._free.setdefault(buf.numel(), []).append(buf)
         else:
+            self._pool_bytes -= buf.numel()
             self.acct.free(buf.numel(), "params_streamed")
 
     def close(self) -> None:
         self.invalidate()
         for bufs in self._free.values():
             for b in bufs:
+                self._pool_bytes -= b.numel()
                 self.acct.free(b.numel(), "params_streamed")
         self._free.clear()
