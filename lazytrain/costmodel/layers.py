@@ -77,7 +77,9 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             k = max(1, spec.experts_per_token)
             bwd_tr = tokens * (2 * model.hidden_size * 4 + 3 * inter * k * cb)
         elif spec.kind == "head":
-            bwd_tr = tokens * model.vocab_size * 4  # grad of the fp32 logits
+            # forward: bf16 logits + their fp32 copy live next to the saved log-softmax; backward:
+            # the fp32 and compute-dtype logits gradients. Either way 4 + cb bytes/token/vocab.
+            bwd_tr = tokens * model.vocab_size * (4 + cb)
         else:
             bwd_tr = 0
         out.append(LayerCost(

@@ -9,8 +9,9 @@ model's own forward, so whatever the family computes before its first block is r
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -118,3 +119,115 @@ def head_loss(parts: DecoderParts, hidden: torch.Tensor, labels: torch.Tensor) -
     """Final norm + lm_head + the model's own causal-LM loss (mean over non-ignored tokens)."""
     logits = parts.head(parts.norm(hidden))
     return parts.lm.loss_function(logits=logits, labels=labels, vocab_size=parts.vocab_size)
+
+
+@dataclass
+class RouterAux:
+    """The MoE router load-balancing loss the *ForCausalLM's forward adds when
+    `config.output_router_logits` is set: `loss + coef * loss_fn(router_logits, num_experts, top_k,
+    attention_mask)`, where router_logits are every router's logits in execution order.
+
+    `routers[b]`: per decoder block, the (module, output index) pairs whose outputs HF records as
+    "router_logits" (the model's own `can_record_outputs`, resolved like its output-capture hooks
+    do); empty for blocks without a router (Qwen3-MoE's `mlp_only_layers`, a dense block)."""
+    routers: list[list[tuple[nn.Module, int]]]
+    loss_fn: Callable[..., Any]
+    num_experts: int
+    top_k: int
+    coef: float
+
+
+def router_aux_enabled(parts: DecoderParts) -> bool:
+    """Whether the model's own forward would add the router aux loss (its config says so)."""
+    return bool(getattr(parts.lm.config, "output_router_logits", False))
+
+
+def _recorder_specs(base: nn.Module, key: str) -> list[tuple[type | None, str | None, str | None, int]]:
+    """(target_class, class_name, layer_name, index) of the recorders `base` declares for `key`."""
+    rec = getattr(base, "can_record_outputs", None)
+    if rec is None:
+        rec = getattr(base, "_can_record_outputs", None) or {}
+    specs = rec.get(key)
+    if specs is None:
+        return []
+    out = []
+    for sp in specs if isinstance(specs, (list, tuple)) else [specs]:
+        if isinstance(sp, str):
+            out.append((None, sp, None, 1))
+        elif isinstance(sp, type):
+            out.append((sp, None, None, 1))   # HF's default index for keys other than hidden_states
+        else:   # OutputRecorder
+            out.append((getattr(sp, "target_class", None), getattr(sp, "class_name", None),
+                        getattr(sp, "layer_name", None), int(getattr(sp, "index", 0))))
+    return out
+
+
+def router_aux(parts: DecoderParts) -> RouterAux | None:
+    """Find the router modules and HF's own load-balancing loss function of an MoE causal LM.
+
+    None for a model that has neither (a dense model ignores `output_router_logits`, and so does
+    its forward). Raises ModelStructureError when it has one but not the other, or no router is
+    found in its blocks: training without the loss its own forward adds would silently differ."""
+    lm, base = parts.lm, parts.base
+    specs = _recorder_specs(base, "router_logits")
+    fn = getattr(sys.modules.get(type(lm).__module__), "load_balancing_loss_func", None)
+    if not specs and fn is None:
+        return None
+    if not specs:
+        raise ModelStructureError(f"{type(lm).__name__}: output_router_logits is set but "
+                                  f"{type(base).__name__} declares no router_logits recorder")
+    blocks_name = next(n for n, m in base.named_modules() if m is parts.blocks)
+    routers: list[list[tuple[nn.Module, int]]] = []
+    for i, block in enumerate(parts.blocks):
+        found = []
+        for name, m in block.named_modules():
+            # the name HF's hook installer sees: "." + path from the model that declares the spec
+            full = f".{blocks_name}.{i}" + (f".{name}" if name else "")
+            for cls, cls_name, layer_name, index in specs:
+                if not ((cls is not None and isinstance(m, cls))
+                        or (cls_name is not None and full.endswith(cls_name))):
+                    continue
+                if layer_name is not None and f".{layer_name.strip('.')}." not in full + ".":
+                    continue
+                found.append((m, index))
+        routers.append(found)
+    if not any(routers):
+        raise ModelStructureError(f"{type(lm).__name__}: output_router_logits is set but no router "
+                                  f"module was found in the decoder blocks")
+    if fn is None:
+        raise ModelStructureError(f"{type(lm).__name__}: output_router_logits is set but "
+                                  f"{type(lm).__module__} has no load_balancing_loss_func")
+    cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+
+    def attr(*names: str) -> Any:
+        for obj in (lm, cfg):
+            for n in names:
+                if getattr(obj, n, None) is not None:
+                    return getattr(obj, n)
+        raise ModelStructureError(f"{type(lm).__name__}: no {names[0]} for the router aux loss")
+
+    return RouterAux(routers=routers, loss_fn=fn,
+                     num_experts=int(attr("num_experts", "num_local_experts")),
+                     top_k=int(attr("num_experts_per_tok")),
+                     coef=float(attr("router_aux_loss_coef")))
+
+
+def run_block_routed(block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any],
+                     routers: list[tuple[nn.Module, int]]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """run_block, also returning the router logits the block's routers produced (firing order)."""
+    got: list[torch.Tensor] = []
+
+    def grab(index: int):
+        def hook(_m: nn.Module, _args: tuple, out: Any) -> None:
+            t = out[index] if isinstance(out, (tuple, list)) else out
+            if t is not None:
+                got.append(t)
+        return hook
+
+    handles = [m.register_forward_hook(grab(index)) for m, index in routers]
+    try:
+        out = run_block(block, hidden, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, tuple(got)

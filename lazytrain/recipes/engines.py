@@ -152,7 +152,7 @@ class StreamingEngine:
     def __init__(self, model: torch.nn.Module, plan, *, device: torch.device | None,
                  nvme_dir: Path | None, optimizer: str, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, max_grad_norm: float | None,
-                 trace_path: Path | None) -> None:
+                 trace_path: Path | None, compute_dtype: torch.dtype | None = None) -> None:
         try:
             from ..runtime import StreamingExecutor
         except ImportError as e:
@@ -161,7 +161,8 @@ class StreamingEngine:
         self.ex = StreamingExecutor(
             model, plan, device=device, nvme_dir=None if nvme_dir is None else str(nvme_dir),
             optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            max_grad_norm=max_grad_norm, trace_path=None if trace_path is None else str(trace_path))
+            max_grad_norm=max_grad_norm, trace_path=None if trace_path is None else str(trace_path),
+            compute_dtype=compute_dtype)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -215,8 +215,11 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
     device = torch.device("cuda") if pre.hardware.device_type == "cuda" and torch.cuda.is_available() \
         else torch.device("cpu")
     if cfg.engine == "lazytrain":
+        # weights stream and compute in the plan's dtype (what the planner sized); fp32 masters
+        # come from the loaded fp32 values
         return StreamingEngine(model, pre.plan, device=device, nvme_dir=nvme_dir, optimizer=optimizer,
-                               trace_path=out / "trace.jsonl", **common)
+                               trace_path=out / "trace.jsonl",
+                               compute_dtype=TORCH_DTYPES[pre.job.compute_dtype], **common)
     if cfg.engine == "deepspeed":
         eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, **common)
         for line in eng.dropped:

@@ -7,6 +7,13 @@ activations and gradients need to be on the device only around its own compute. 
 through `ParamStreamer`; activations through `ActivationStore`; fp32 gradients, master weights and
 AdamW states live on host/NVMe in `LayerTrainState` and are updated on an optimizer thread.
 The plan is never changed here.
+
+MoE models with `config.output_router_logits` get HF's router load-balancing loss: each block's
+router logits (tokens x experts) are kept with their graph; the head computes the aux loss from
+detached leaf copies of them and adds `router_aux_loss_coef * aux` as the model's own forward does;
+the head's backward yields each block's router-logits gradient, which that block's backward feeds
+into autograd.grad together with the hidden-state gradient. A recomputed block re-produces its
+logits in the recompute pass. The logits stay on the device (counted as "router_logits").
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.adapter import DecoderParts, block_kwargs, find_parts, head_loss, run_block
+from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, find_parts, head_loss, router_aux,
+                              router_aux_enabled, run_block, run_block_routed)
 from ..plan.plan import Plan
 from ..storage.aligned_io import IOPool, aligned_empty
 from ..storage.flat import FlatLayout, typed
@@ -47,6 +55,8 @@ class StepResult:
     predicted_step_time_s: float
     predicted_device_peak_bytes: int
     accounted_peak_bytes: int = 0    # the accountant's figure alone
+    aux_loss: float | None = None    # MoE router load-balancing loss (unscaled, mean over micro-batches;
+                                     # `loss` includes coef * aux, as HF's does); None when off
 
 
 class PlanMismatchError(ValueError):
@@ -86,11 +96,16 @@ class StreamingExecutor:
                  nvme_dir: str | Path | None = None, optimizer: str = "adamw", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                 trace_path: str | Path | None = None, fused: bool = True) -> None:
+                 trace_path: str | Path | None = None, fused: bool = True,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        """`compute_dtype`: the dtype the streamed weights are stored, moved and computed in (the
+        plan's `job.compute_dtype`); None keeps the model's own. fp32 master weights (full fine-
+        tuning) are taken from the model's original values either way."""
         if optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
         self.model = model
         self.plan = plan
+        self._cast_to = compute_dtype
         self.device = torch.device(device) if device is not None else \
             torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"
@@ -118,6 +133,9 @@ class StreamingExecutor:
         self._pending: list[Future] = []
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.nvme_dir = nvme_dir
+        self._router: RouterAux | None = None
+        if router_aux_enabled(self.parts):
+            self._router = router_aux(self.parts)
 
         self._build_layers()
         self.use_seq = use_sequence(self.n_layers, plan.segments())
@@ -151,6 +169,8 @@ class StreamingExecutor:
                 raise ValueError(f"{self.names[i]}: parameters have mixed dtypes {sorted(map(str, dtypes))}; "
                                  f"cast the model to one compute dtype first")
             dtype = dtypes.pop() if dtypes else torch.float32
+            if self._cast_to is not None and streamed:
+                dtype = self._cast_to
             layout = FlatLayout.of(streamed, dtype)
             self.layers.append(StreamedLayer(i, self.names[i], [p for _, p in streamed], layout,
                                              self.decisions[i].param_tier, borrows=borrowed[i]))
@@ -274,30 +294,78 @@ class StreamingExecutor:
     def _fwd(self, i: int, x: torch.Tensor | None, mb: dict) -> torch.Tensor:
         if i == 0:
             return self.parts.embed(mb["ids"])
+        ra: RouterAux | None = mb["router"]
         if i == self.n_layers - 1:
             loss = head_loss(self.parts, x, mb["labels"])
+            if ra is not None:
+                # the model's own: loss += coef * load_balancing_loss_func(all router logits, E, k,
+                # attention_mask); the executor has no attention mask (as model(ids, labels=...))
+                leaves = tuple(t for j in sorted(mb["rl_leaf"]) for t in mb["rl_leaf"][j])
+                if leaves:
+                    aux = ra.loss_fn(leaves, ra.num_experts, ra.top_k, None)
+                    if not mb["recomputing"]:
+                        mb["aux"] = aux.detach()
+                    loss = loss + ra.coef * aux.to(loss.device)
             if not mb["recomputing"]:
                 mb["loss"] = loss.detach()
             return loss / mb["n"]
-        return run_block(self.parts.blocks[i - 1], x, mb["kw"])
+        block = self.parts.blocks[i - 1]
+        if ra is None or not ra.routers[i - 1]:
+            return run_block(block, x, mb["kw"])
+        out, logits = run_block_routed(block, x, mb["kw"], ra.routers[i - 1])
+        # forward pass: with their graph if the layer keeps one (else recompute re-produces them);
+        # the head computes from detached leaves so its backward yields their gradients
+        prev = mb["rl"].get(i)
+        mb["rl"][i] = logits
+        if prev is None:
+            nb = sum(t.nbytes for t in logits)
+            mb["rl_bytes"][i] = mb["rl_bytes"].get(i, 0) + nb
+            self.acct.alloc(nb, "router_logits")
+        if not mb["recomputing"]:
+            mb["rl_leaf"][i] = tuple(t.detach().requires_grad_(True) for t in logits)
+        return out
 
     def _bwd(self, i: int, x: torch.Tensor | None, out: torch.Tensor, g: torch.Tensor | None,
-             first: bool, last: bool) -> torch.Tensor | None:
+             first: bool, last: bool, mb: dict) -> torch.Tensor | None:
         lay = self.layers[i]
         params = lay.params if self.trainable[i] else []
         # weights borrowed from earlier layers (the tied head's embedding matrix)
         shared = [(j, p) for j in lay.borrows if self.trainable[j] for p in self.layers[j].params]
         ads = self.adapters[i]
-        inputs = [*params, *(p for _, p in shared), *ads] + ([x] if x is not None else [])
+        outs, gouts = [out], [g]
+        leaves: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        if mb["router"] is not None:
+            if i == self.n_layers - 1:    # the head: gradients of every block's router logits
+                leaves = sorted(mb["rl_leaf"].items())
+            elif i in mb["rl"]:           # a block: its router logits' gradient joins g
+                for t, gt in zip(mb["rl"].pop(i), mb["rl_grad"].pop(i, ())):
+                    if gt is not None and t.requires_grad:
+                        outs.append(t)
+                        gouts.append(gt)
+        leaf_ts = [t for _, ts in leaves for t in ts]
+        inputs = [*params, *(p for _, p in shared), *ads, *leaf_ts] + ([x] if x is not None else [])
         if not inputs:
             return None
         t = self.trace.now()
-        grads = torch.autograd.grad(out, inputs, grad_outputs=g, allow_unused=True)
+        grads = torch.autograd.grad(outs, inputs, grad_outputs=gouts, allow_unused=True)
         self.trace.add("compute_bwd", lay.name, t, self.trace.now())
+        del outs, gouts
+        if mb["router"] is not None and i != self.n_layers - 1:
+            self.acct.free(mb["rl_bytes"].pop(i, 0), "router_logits")
         gx = grads[-1] if x is not None else None
         n_own, n_sh = len(params), len(shared)
         pg, sg = grads[:n_own], grads[n_own:n_own + n_sh]
         ag = grads[n_own + n_sh:n_own + n_sh + len(ads)]
+        if leaves:
+            lg = iter(grads[n_own + n_sh + len(ads):n_own + n_sh + len(ads) + len(leaf_ts)])
+            for j, ts in leaves:
+                gj = tuple(next(lg) for _ in ts)
+                mb["rl_grad"][j] = gj
+                nb = sum(gt.nbytes for gt in gj if gt is not None)
+                mb["rl_bytes"][j] = mb["rl_bytes"].get(j, 0) + nb
+                self.acct.alloc(nb, "router_logits")
+            # the forward copies are needed no more (a recomputed block re-produces its own)
+            mb["rl_leaf"].clear()
         for p, gr in zip(ads, ag):
             if gr is None:
                 continue
@@ -376,7 +444,14 @@ class StreamingExecutor:
         self.acts.resident_ptrs |= {p.untyped_storage().data_ptr() for p in self.adapter_params}
         ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
         self.acct.alloc(ctx_bytes, "step_context")
-        mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False}
+        mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False,
+              # MoE router aux loss: per block its router logits (with graph), the head's leaf
+              # copies, their gradients from the head, and the device bytes all of that holds
+              "router": None, "rl": {}, "rl_leaf": {}, "rl_grad": {}, "rl_bytes": {}}
+        if router_aux_enabled(self.parts):   # read per micro-batch, like the model's own forward
+            if self._router is None:
+                self._router = router_aux(self.parts)
+            mb["router"] = self._router   # (None: a dense model, which ignores the flag)
         self.borrowed_grads.clear()   # (left over only if a previous micro-batch failed)
         self.streamer.start(self.use_seq, wrap=self.lora or not last)
         L = self.n_layers
@@ -453,7 +528,7 @@ class StreamingExecutor:
                 for j in range(i, a - 1, -1):
                     self.streamer.use(j)
                     xj, outj = seg_graphs.pop(j)
-                    g = self._bwd(j, xj, outj, g, first, last)
+                    g = self._bwd(j, xj, outj, g, first, last, mb)
                     live = self._track_grad(live, g)
                     self.acts.release(j)
                 i = a - 1
@@ -467,13 +542,15 @@ class StreamingExecutor:
                         k += 1
                 self.streamer.use(i)
                 x, out = graphs.pop(i)
-                g = self._bwd(i, x, out, g, first, last)
+                g = self._bwd(i, x, out, g, first, last, mb)
                 live = self._track_grad(live, g)
                 self.acts.release(i)
                 i -= 1
         self.acct.free(ctx_bytes, "step_context")
         self.acct.free(live, "live_boundary")
-        return float(mb["loss"])
+        self.acct.free(sum(mb["rl_bytes"].values()), "router_logits")
+        aux = mb.get("aux")
+        return float(mb["loss"]), (float(aux) if aux is not None else None)
 
     def _track_grad(self, live: int, g: torch.Tensor | None) -> int:
         """Count the gradient flowing between layers (replaces the previous one)."""
@@ -495,12 +572,15 @@ class StreamingExecutor:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         n = len(micro_batches)
-        losses, tokens = [], 0
+        losses, auxes, tokens = [], [], 0
         for k, (ids, labels) in enumerate(micro_batches):
             if ids.dim() != 2 or ids.shape != labels.shape:
                 raise ValueError(f"micro-batch {k}: input_ids and labels must both be [B, S], "
                                  f"got {tuple(ids.shape)} and {tuple(labels.shape)}")
-            losses.append(self._micro_batch(ids, labels, n, k == 0, k == n - 1))
+            loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1)
+            losses.append(loss)
+            if aux is not None:
+                auxes.append(aux)
             tokens += ids.numel()
         for f in self._pending:
             f.result()
@@ -542,7 +622,8 @@ class StreamingExecutor:
                           device_peak_bytes=int(measured), tokens=tokens,
                           predicted_step_time_s=float(pred.step_time_s),
                           predicted_device_peak_bytes=int(pred.peak_bytes.get("device", 0)),
-                          accounted_peak_bytes=int(peak))
+                          accounted_peak_bytes=int(peak),
+                          aux_loss=sum(auxes) / len(auxes) if auxes else None)
 
     def _step_adapters(self, scale: torch.Tensor | None, skip: bool = False) -> None:
         if self.adapter_opt is None:

@@ -83,11 +83,23 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
                     num_local_experts=4, num_experts_per_tok=2),
+    # block 1 is dense (mlp_only_layers): a model whose blocks do not all have a router
+    "qwen3_moe": dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, num_experts=4,
+                      num_experts_per_tok=2),
+    "olmoe": dict(hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, num_experts=4,
+                  num_experts_per_tok=2, eos_token_id=2),
 }
 
 
 def tiny_model(family: str, seed: int = 0, dtype: str = "float32", **overrides: Any):
-    """A randomly initialised tiny HF causal LM of `family` (llama | qwen2 | mixtral); a "-tied"
+    """A randomly initialised tiny HF causal LM of `family` (a key of TINY_CONFIGS); a "-tied"
     suffix (e.g. "qwen2-tied") ties the input and output embeddings, as small Qwen/Llama models do."""
     import torch
     import transformers
@@ -116,3 +128,24 @@ def random_batches(n_micro: int, seed: int, batch: int = 2, seq: int = 12, vocab
 def rel_err(a, b) -> float:
     """max |a - b| / max |b| (the exactness suite's measure)."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+class GradCapture:
+    """Reads the executor's fp32 gradient accumulators right before each layer's update."""
+
+    def __init__(self, ex) -> None:   # a StreamingExecutor
+        self.grads = {}
+        for st, lay in zip(ex.states, ex.layers):
+            if st is None:
+                continue
+            orig = st.update
+
+            def update(hp, scale, write, opt8=None, st=st, lay=lay, orig=orig):
+                g = st._load("grad", st.grad_tier)
+                for p, v in zip(lay.params, lay.layout.views(g)):
+                    self.grads[ex.param_names[id(p)]] = v.clone()
+                if st.grad_tier == "nvme":
+                    st._staging.pop("grad", None)
+                return orig(hp, scale, write, opt8)
+
+            st.update = update

@@ -175,10 +175,12 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
         name="head", kind="head", index=L + 1, param_count=head_params,
         active_param_count=H + V * H,
         matmul_flops_fwd_per_token=2 * V * H, attn_flops_fwd_per_token_per_seq=0,
-        # final RMSNorm (fp32 upcast input + rstd + bf16 normed), lm_head input, logits (bf16),
-        # loss: fp32 logits and log-softmax (HF upcasts logits before cross-entropy).
+        # Saved for backward: final RMSNorm (fp32 upcast input + rstd + bf16 normed), lm_head
+        # input, and the loss's fp32 log-softmax output (measured: HF upcasts the logits, but
+        # neither the bf16 logits nor their fp32 copy is saved). The logits themselves are
+        # transient: the cost model adds them (forward: bf16 + fp32 + log-softmax at once).
         saved_bytes_per_token={"norm_fp32_in": 4 * H, "norm_out": 2 * H, "lm_head_in": 2 * H,
-                               "logits": 2 * V, "logits_fp32": 4 * V, "log_softmax": 4 * V},
+                               "log_softmax": 4 * V},
         linears=(Linear("lm_head", H, V),),
     ))
     return ModelSpec(

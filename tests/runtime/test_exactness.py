@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lazytrain.runtime import StreamingExecutor
-from lazytrain.runtime.testing import hand_plan, plan_families, random_batches, rel_err, tiny_model
+from lazytrain.runtime.testing import (GradCapture, hand_plan, plan_families, random_batches, rel_err,
+                                      tiny_model)
 
 FAMILIES = ("llama", "qwen2", "mixtral", "llama-tied", "qwen2-tied")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -36,27 +37,6 @@ def reference_grads(model, mbs, device="cpu"):
         losses.append(loss.item())
         (loss / len(mbs)).backward()
     return sum(losses) / len(losses), {n: p.grad.cpu() for n, p in m.named_parameters()}
-
-
-class GradCapture:
-    """Reads the executor's fp32 gradient accumulators right before each layer's update."""
-
-    def __init__(self, ex: StreamingExecutor) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-        for st, lay in zip(ex.states, ex.layers):
-            if st is None:
-                continue
-            orig = st.update
-
-            def update(hp, scale, write, opt8=None, st=st, lay=lay, orig=orig):
-                g = st._load("grad", st.grad_tier)
-                for p, v in zip(lay.params, lay.layout.views(g)):
-                    self.grads[ex.param_names[id(p)]] = v.clone()
-                if st.grad_tier == "nvme":
-                    st._staging.pop("grad", None)
-                return orig(hp, scale, write, opt8)
-
-            st.update = update
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -106,3 +106,31 @@ def test_saved_activation_bytes_match_autograd(family):
     measured = sum(v for k, v in seen.items() if k not in exclude)
     predicted = spec.layers[1].saved_bytes(B * S)
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+
+
+@pytest.mark.parametrize("vocab", [100, 4096])
+def test_head_saved_bytes_match_autograd(vocab):
+    """The head (final norm, lm_head, HF's causal-LM loss) saves what the spec says, within 10%:
+    the fp32 log-softmax, not the bf16 logits or their fp32 copy (those are transient)."""
+    config = transformers.AutoConfig.for_model(**{**BASE, **FAMILIES["llama"], "vocab_size": vocab,
+                                                  "hidden_size": 256, "num_hidden_layers": 1})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    B, S = 2, 64
+    x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (B, S))
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model.lm_head(model.model.norm(x))
+        model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    measured = sum(v for k, v in seen.items() if k not in exclude)
+    predicted = spec.layers[-1].saved_bytes(B * S)
+    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)

@@ -1,0 +1,155 @@
+"""MoE router load-balancing loss (`config.output_router_logits`): the executor adds HF's own aux
+loss, and loss, aux loss, every gradient and the weights after a few AdamW steps equal plain
+PyTorch (`model(ids, labels=labels).loss.backward()`), in every plan family: each block's router
+logits keep their graph (or are re-produced by recompute) and their gradient from the head joins
+the hidden-state gradient in that block's backward."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from lazytrain.models import apply_lora
+from lazytrain.models.adapter import find_parts, router_aux
+from lazytrain.runtime import StreamingExecutor
+from lazytrain.runtime.testing import (GradCapture, hand_plan, plan_families, random_batches, rel_err,
+                                      tiny_model)
+
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.02)
+PLANS = tuple(plan_families(3))
+REL = 1e-5
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Mixtral and Qwen3-MoE (whose block 1 is dense) in every plan family; Qwen2-MoE (shared expert)
+# and OLMoE in a few.
+CASES = [(f, p) for f in ("mixtral", "qwen3_moe") for p in PLANS] + [
+    ("qwen2_moe", "recompute_all"), ("qwen2_moe", "acts_host"), ("olmoe", "mixed_segments"),
+    ("olmoe", "params_nvme")]
+
+
+def reference(model, mbs, device="cpu"):
+    """Plain PyTorch: mean loss, per-micro-batch aux losses, gradients."""
+    m = copy.deepcopy(model).to(device)
+    losses, auxes = [], []
+    for ids, labels in mbs:
+        out = m(input_ids=ids.to(device), labels=labels.to(device))
+        losses.append(out.loss.item())
+        auxes.append(out.aux_loss.item() if out.aux_loss is not None else None)
+        (out.loss / len(mbs)).backward()
+    return sum(losses) / len(mbs), auxes, {n: p.grad if p.grad is None else p.grad.cpu()
+                                           for n, p in m.named_parameters()}
+
+
+def test_routers_and_loss_function_are_hf_own():
+    ra = router_aux(find_parts(tiny_model("mixtral", **AUX)))
+    assert [len(r) for r in ra.routers] == [1, 1, 1]
+    assert (ra.num_experts, ra.top_k, ra.coef) == (4, 2, 0.02)
+    assert ra.loss_fn is sys.modules["transformers.models.mixtral.modeling_mixtral"].load_balancing_loss_func
+    m = tiny_model("qwen3_moe", **AUX)
+    ra = router_aux(find_parts(m))
+    assert [len(r) for r in ra.routers] == [1, 0, 1]   # block 1 is in mlp_only_layers
+    assert ra.routers[0][0][0] is m.model.layers[0].mlp.gate
+    assert router_aux(find_parts(tiny_model("llama"))) is None   # dense: nothing to add
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family,plan_name", CASES)
+def test_loss_aux_and_grads_match_autograd(family, plan_name, device, tmp_path):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = tiny_model(family, **AUX)
+    mbs = random_batches(2, seed=1)
+    ref_loss, ref_aux, ref_grads = reference(model, mbs, device)
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)[plan_name]), device=device,
+                           nvme_dir=tmp_path, lr=0.0)
+    cap = GradCapture(ex)
+    res = ex.train_step(mbs)
+    ex.wait()
+    assert abs(res.loss - ref_loss) <= REL * abs(ref_loss)
+    assert abs(res.aux_loss - sum(ref_aux) / len(ref_aux)) <= REL * abs(ref_aux[0])
+    assert set(cap.grads) == set(ref_grads)
+    worst = max(rel_err(cap.grads[n], ref_grads[n]) for n in ref_grads)
+    assert worst <= REL, f"{family}/{plan_name}: max rel grad err {worst:.2e}"
+    assert ex.acct.by_kind["router_logits"] == 0   # all of it released after the backward
+    ex.close()
+
+
+def test_aux_loss_changes_the_gradients():
+    """The suite above would not notice a missing aux term if it did not move the gradients."""
+    mbs = random_batches(1, seed=1)
+    _, aux, with_aux = reference(tiny_model("mixtral", **AUX), mbs)
+    _, none, without = reference(tiny_model("mixtral"), mbs)
+    assert aux[0] > 0 and none == [None]
+    assert rel_err(with_aux["model.layers.0.mlp.gate.weight"], without["model.layers.0.mlp.gate.weight"]) > 1e-2
+
+
+@pytest.mark.parametrize("family,plan_name,max_norm", [
+    ("mixtral", "recompute_all", 0.5), ("mixtral", "acts_nvme", None),
+    ("qwen3_moe", "mixed_segments", 0.5), ("qwen3_moe", "params_nvme", None),
+])
+def test_steps_match_torch_adamw(family, plan_name, max_norm, tmp_path):
+    model = tiny_model(family, **AUX)
+    steps, lr, wd = 5, 3e-3, 0.01
+    mbs = random_batches(2, seed=100)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)[plan_name]), device="cpu",
+                           nvme_dir=tmp_path, lr=lr, betas=(0.9, 0.95), weight_decay=wd, max_grad_norm=max_norm)
+    for _ in range(steps):
+        tot = 0.0
+        for ids, labels in mbs:
+            loss = ref(input_ids=ids, labels=labels).loss
+            tot += loss.item()
+            (loss / len(mbs)).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        got = ex.train_step(mbs).loss
+        assert abs(got - tot / len(mbs)) <= REL * abs(got)
+    state = ex.trainable_state()
+    worst = max(rel_err(state[n], p.detach()) for n, p in ref.named_parameters())
+    assert worst <= REL, f"{family}/{plan_name}: weights after {steps} steps differ, rel {worst:.2e}"
+    ex.close()
+
+
+def test_flag_is_read_per_micro_batch(tmp_path):
+    """Like the model's own forward, the executor reads config.output_router_logits each step."""
+    model = tiny_model("mixtral")
+    mbs = random_batches(1, seed=3)
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, segments=[(1, 2)]), device="cpu", lr=0.0)
+    plain = ex.train_step(mbs)
+    assert plain.aux_loss is None and abs(plain.loss - reference(model, mbs)[0]) <= REL * plain.loss
+    ex.model.config.output_router_logits = True
+    model.config.output_router_logits = True
+    with_aux = ex.train_step(mbs)
+    ref_loss, ref_aux, _ = reference(model, mbs)
+    assert abs(with_aux.loss - ref_loss) <= REL * ref_loss and abs(with_aux.aux_loss - ref_aux[0]) <= REL * ref_aux[0]
+    ex.close()
+
+
+def test_lora_gets_the_aux_gradient(tmp_path):
+    model = apply_lora(tiny_model("qwen3_moe", **AUX), rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    mbs = random_batches(2, seed=7)
+    ref_loss, _, ref_grads = reference(model, mbs)
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)["mixed_segments"]),
+                           device="cpu", nvme_dir=tmp_path, lr=1e-2)
+    grads = {}
+    orig = ex._step_adapters
+
+    def capture(scale, skip=False):
+        grads.update({ex.param_names[id(p)]: ex.adapter_grads[id(p)].clone() for p in ex.adapter_params})
+        return orig(scale, skip)
+    ex._step_adapters = capture
+    res = ex.train_step(mbs)
+    assert abs(res.loss - ref_loss) <= REL * ref_loss
+    assert grads and set(grads) == {n for n, g in ref_grads.items() if g is not None}
+    worst = max(rel_err(grads[n], ref_grads[n]) for n in grads)
+    assert worst <= REL, f"max rel adapter grad err {worst:.2e}"
+    ex.close()
