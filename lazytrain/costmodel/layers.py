@@ -97,8 +97,9 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     lora_params = 0 if full else model.lora_param_count(job.lora_rank, job.lora_targets)
     # LoRA adapters stay resident with fp32 master, grads and both moments on the device
     lora_bytes = lora_params * (4 + 4 + 8)
-    max_grad = max(c.grad_device_bytes for c in out)
-    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + 2 * max_grad
+    # Gradients are not static: a layer's weight grads are on the device from its backward until
+    # they have left (the executor keeps at most two layers' in flight); plan/ops.grads_in_flight.
+    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd
     host_capacity = hw.host_usable_bytes
     if hw.device_type == "cpu":  # the "device" budget is carved out of the same RAM
         host_capacity = max(0, host_capacity - hw.device_memory_bytes)

@@ -29,7 +29,7 @@ import pulp
 from ..costmodel import JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence, weight_parts
+from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, weight_parts
 
 
 
@@ -212,9 +212,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                                               if e == b and t == "device"), f"D_{b}"
     P = pulp.LpVariable("P", lowBound=0)
     head = layers[L + 1]
-    prob += P >= base + D[L] + (head.act_bytes + head.bwd_transient_bytes) / GiB, "peak_head"
+    prob += P >= base + D[L] + (head.act_bytes + head.bwd_transient_bytes
+                                + grads_in_flight(costs, L + 1, L + 1)) / GiB, "peak_head"
+    prob += P >= base + grads_in_flight(costs, 0, 0) / GiB, "peak_embed_bwd"
     for b in range(L):
-        starting = pulp.lpSum((kept[(s, e, m)] * (t == "device") + work[(s, e, m)]) / GiB * v
+        starting = pulp.lpSum((kept[(s, e, m)] * (t == "device") + work[(s, e, m)]
+                               + grads_in_flight(costs, s + 1, e)) / GiB * v
                               for (s, e, m, t), v in x.items() if s == b)
         prob += P >= base + D[b] + starting, f"peak_{b}"
     cap = costs.device_capacity_bytes if device_capacity_bytes is None else device_capacity_bytes

@@ -69,3 +69,13 @@ def after(num_blocks: int, k: int) -> int:
     """The window after k; the last window's 'after' is itself (drain in place)."""
     K = 2 * num_blocks + 3
     return min(k + 1, K - 1)
+
+
+def grads_in_flight(costs, first: int, last: int) -> int:
+    """Most weight-gradient bytes on the device while layers last..first run backward (in that
+    order): a layer's own and the previous one's (the layer after it), which may still be leaving
+    (the executor waits before a third). The head is the first backward: nothing before it."""
+    layers = costs.layers
+    n = len(layers)
+    return max(layers[j].grad_device_bytes + (layers[j + 1].grad_device_bytes if j + 1 < n else 0)
+               for j in range(first, last + 1))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..costmodel import JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, op_sequence, weight_parts
+from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, weight_parts
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -150,11 +150,13 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
             transient = layers[j].act_bytes if seg.mode == RECOMPUTE else 0
             curve.append((fwd_window(L, j), static + held + transient))
     head = layers[L + 1]
-    curve.append((fwd_window(L, L + 1), static + held + head.act_bytes + head.bwd_transient_bytes))
+    curve.append((fwd_window(L, L + 1), static + held + head.act_bytes + head.bwd_transient_bytes
+                  + grads_in_flight(costs, L + 1, L + 1)))
     for seg in reversed(a.segments):  # backward
-        curve.append((bwd_window(L, seg.e), static + held + seg.working_bytes(costs)))
+        curve.append((bwd_window(L, seg.e), static + held + seg.working_bytes(costs)
+                      + grads_in_flight(costs, seg.s + 1, seg.e)))
         held -= seg.kept_bytes(costs) if seg.tier == "device" else 0
-    curve.append((bwd_window(L, 0), static + held))
+    curve.append((bwd_window(L, 0), static + held + grads_in_flight(costs, 0, 0)))
 
     host = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "host")
             + depth * max(from_nvme, default=0) + costs.host_static_bytes

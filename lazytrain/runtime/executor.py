@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,7 @@ class StreamingExecutor:
         self.step_count = 0
         self._synced = False
         self._pending: list[Future] = []
+        self._grads_inflight: deque[Future] = deque()
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.nvme_dir = nvme_dir
         self._router: RouterAux | None = None
@@ -378,6 +380,9 @@ class StreamingExecutor:
         if params:
             st = self.states[i]
             nb = sum(gr.nbytes for gr in pg if gr is not None)
+            # At most two layers' weight grads on the device (this one and the previous, maybe
+            # still leaving), as the planner counts them (plan.ops.grads_in_flight).
+            self._drain_grads(keep=1)
             self.acct.alloc(nb, "grads")
             if self.cuda:
                 # d2h on this thread's stream order; the optimizer thread adds into fp32 on the host.
@@ -392,12 +397,22 @@ class StreamingExecutor:
                 st.accumulate(list(pg), first, last, shared=borrowed)
                 self.acct.free(nb, "grads")
 
-            self._pending.append(self.opt_pool.submit(accumulate))
+            fut = self.opt_pool.submit(accumulate)
+            self._pending.append(fut)
+            self._grads_inflight.append(fut)
             if last and self.max_grad_norm is None:
                 lay.ready = self.opt_pool.submit(self._update, i, None, dict(self.hp))
         if shared:
             self._hand_over_borrowed(shared, sg)
         return gx
+
+    def _drain_grads(self, keep: int) -> None:
+        """Wait until at most `keep` layers' gradients are still on their way off the device."""
+        q = self._grads_inflight
+        while q and q[0].done():
+            q.popleft()
+        while len(q) > keep:
+            q.popleft().result()
 
     def _hand_over_borrowed(self, shared: list[tuple[int, nn.Parameter]],
                             grads: Sequence[torch.Tensor | None]) -> None:
@@ -444,6 +459,7 @@ class StreamingExecutor:
         self.acts.resident_ptrs |= {p.untyped_storage().data_ptr() for p in self.adapter_params}
         ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
         self.acct.alloc(ctx_bytes, "step_context")
+        self._drain_grads(keep=0)   # forward windows hold no weight grads (as planned)
         mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False,
               # MoE router aux loss: per block its router logits (with graph), the head's leaf
               # copies, their gradients from the head, and the device bytes all of that holds

@@ -11,7 +11,7 @@ from lazytrain.costmodel import job_costs
 from lazytrain.plan.assignment import STORE, Assignment, Segment
 from lazytrain.plan.heuristics import heuristic_pins
 from lazytrain.plan.milp import Pins, solve_milp
-from lazytrain.plan.ops import fwd_window
+from lazytrain.plan.ops import fwd_window, grads_in_flight
 from lazytrain.plan.simulate import _window_items, memory_peaks, simulate
 from lazytrain.spec import GiB, JobSpec
 
@@ -53,8 +53,13 @@ def test_resident_tied_matrix_is_counted_once(tied_pair, mode):
     static = ct.device_static_bytes + tied.param_count * cb
     acts = sum(c.act_bytes for c in ct.layers[1:-1])
     head = ct.layers[-1]
-    assert peak_t == static + acts + max(head.act_bytes + head.bwd_transient_bytes,
-                                         ct.layers[L].bwd_transient_bytes)
+    # backward moments: the head, each block (its kept activations and those before it), the
+    # embedding; each with the weight grads then in flight (its own and the previous layer's)
+    moments = [acts + head.act_bytes + head.bwd_transient_bytes + grads_in_flight(ct, L + 1, L + 1)]
+    moments += [sum(c.act_bytes for c in ct.layers[1:j + 1]) + ct.layers[j].bwd_transient_bytes
+                + grads_in_flight(ct, j, j) for j in range(1, L + 1)]
+    moments.append(grads_in_flight(ct, 0, 0))
+    assert peak_t == static + max(moments)
     # the MILP evaluating the same plan predicts the same peak
     pins = Pins(segments=a.segments, param_tier=a.param_tier)
     r = solve_milp(ct, h, pins=pins)
