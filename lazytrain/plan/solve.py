@@ -3,6 +3,8 @@ device memory a job needs, the largest batch that fits, and the explanations use
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
 from collections import Counter
@@ -35,9 +37,22 @@ class InfeasiblePlanError(RuntimeError):
         self.plan = plan
 
 
+@functools.lru_cache(maxsize=1)
+def model_code_fingerprint() -> str:
+    """Hash of the sources that turn inputs into a plan (specs, cost model, planner): a cached
+    plan made by other code is not served, even without a version bump."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for sub in ("spec", "costmodel", "plan"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def versions() -> dict[str, str]:
     import pulp
-    out = {"lazytrain": __version__, "pulp": pulp.__version__}
+    out = {"lazytrain": __version__, "pulp": pulp.__version__, "planner_code": model_code_fingerprint()}
     try:
         import highspy
         out["highspy"] = getattr(highspy, "__version__", "installed")

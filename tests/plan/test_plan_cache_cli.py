@@ -40,6 +40,15 @@ def test_hash_covers_every_input(small, tmp_path):
     assert len(hashes) == 5
 
 
+def test_hash_covers_the_planner_code(small, monkeypatch):
+    """A plan cached by a different cost model / planner is not served (no version bump needed)."""
+    model, h, job = small
+    base = plan_job(model, h, job, cache_dir=None).input_hash
+    assert len(solve_mod.model_code_fingerprint()) == 16
+    monkeypatch.setattr(solve_mod, "model_code_fingerprint", lambda: "another-cost-model")
+    assert plan_job(model, h, job, cache_dir=None).input_hash != base
+
+
 def test_cache_hit_skips_solver_and_corrupt_entry_is_resolved(small, tmp_path, monkeypatch):
     model, h, job = small
     first = plan_job(model, h, job, cache_dir=tmp_path)
