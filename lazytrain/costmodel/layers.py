@@ -58,7 +58,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     # fp32 master (or none if master dtype == compute dtype and fp32) + moments
     opt_per_param = job.master_bytes + job.optimizer_state_bytes_per_param
     # host update streams master, grad, both moments in and out; memory-bound
-    opt_traffic_per_param = 2 * (job.master_bytes + job.optimizer_state_bytes_per_param) + 4 + cb
+    opt_traffic_per_param = 2 * (job.master_bytes + job.optimizer_state_bytes_per_param) + min(4, job.master_bytes) + cb
     bnd = model.boundary_bytes_per_token(cb) * tokens
 
     out: list[LayerCost] = []
@@ -86,7 +86,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             name=spec.name, kind=spec.kind, index=spec.index,
             param_bytes=stream_params * cb, param_store_bytes=spec.param_count * cb,
             trainable_params=trainable, grad_device_bytes=(trainable + borrowed_grad) * cb,
-            grad_store_bytes=trainable * 4, optimizer_bytes=int(trainable * opt_per_param),
+            grad_store_bytes=trainable * min(4, job.master_bytes), optimizer_bytes=int(trainable * opt_per_param),
             fwd_s=spec.flops_fwd(tokens, job.seq_len) / flops,
             bwd_s=spec.flops_bwd(tokens, job.seq_len, weight_grads=full) / flops,
             act_bytes=act, boundary_in_bytes=bnd if spec.kind != "embed" else 0,

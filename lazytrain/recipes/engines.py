@@ -72,18 +72,28 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 max_grad_norm: float | None, optimizer: str = "adamw") -> None:
+                 max_grad_norm: float | None, optimizer: str = "adamw",
+                 master_dtype: torch.dtype = torch.float32) -> None:
         if optimizer != "adamw":
             raise EngineUnavailable(f"engine=torch runs 32-bit AdamW only (job.optimizer_state_bits=32); "
                                     f"use engine=lazytrain for 8-bit states")
+        # fp32 master: fp32 weights + autocast; bf16 master: pure-bf16 training (the model in bf16)
         self.model = model.to(device)
+        if master_dtype != torch.float32:   # parameters only: buffers (rotary inv_freq) keep fp32
+            for p in model.parameters():
+                p.data = p.data.to(master_dtype)
         self.device = device
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype if master_dtype == torch.float32 else master_dtype
+        # autocast only to run fp32 weights in the compute dtype (a bf16 model runs as it is)
+        self.autocast = master_dtype == torch.float32 and compute_dtype != torch.float32
         self.max_grad_norm = max_grad_norm
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay, foreach=False)
+        # pure bf16: the fused kernel (fp32 arithmetic, one rounding per update), as the executor;
+        # the single-tensor path would round every intermediate to bf16
+        pure = master_dtype != torch.float32
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                     foreach=False if not pure else None, fused=True if pure else None)
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
@@ -96,7 +106,7 @@ class TorchEngine:
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         total, tokens = 0.0, 0
-        autocast = self.compute_dtype != torch.float32
+        autocast = self.autocast
         for x, y in micro_batches:
             x, y = x.to(self.device), y.to(self.device)
             with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
@@ -152,7 +162,8 @@ class StreamingEngine:
     def __init__(self, model: torch.nn.Module, plan, *, device: torch.device | None,
                  nvme_dir: Path | None, optimizer: str, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, max_grad_norm: float | None,
-                 trace_path: Path | None, compute_dtype: torch.dtype | None = None) -> None:
+                 trace_path: Path | None, compute_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32) -> None:
         try:
             from ..runtime import StreamingExecutor
         except ImportError as e:
@@ -162,7 +173,7 @@ class StreamingEngine:
             model, plan, device=device, nvme_dir=None if nvme_dir is None else str(nvme_dir),
             optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, trace_path=None if trace_path is None else str(trace_path),
-            compute_dtype=compute_dtype)
+            compute_dtype=compute_dtype, master_dtype=master_dtype)
 
     @property
     def model(self) -> torch.nn.Module:

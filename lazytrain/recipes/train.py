@@ -219,14 +219,15 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
         # come from the loaded fp32 values
         return StreamingEngine(model, pre.plan, device=device, nvme_dir=nvme_dir, optimizer=optimizer,
                                trace_path=out / "trace.jsonl",
-                               compute_dtype=TORCH_DTYPES[pre.job.compute_dtype], **common)
+                               compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
+                               master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
     if cfg.engine == "deepspeed":
         eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, **common)
         for line in eng.dropped:
             print(f"deepspeed: cannot follow the plan here: {line}")
         return eng
     return TorchEngine(model, device=device, compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
-                       optimizer=optimizer, **common)
+                       optimizer=optimizer, master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
 
 
 def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:

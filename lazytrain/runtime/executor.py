@@ -98,12 +98,22 @@ class StreamingExecutor:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  trace_path: str | Path | None = None, fused: bool = True,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None,
+                 master_dtype: torch.dtype = torch.float32) -> None:
         """`compute_dtype`: the dtype the streamed weights are stored, moved and computed in (the
-        plan's `job.compute_dtype`); None keeps the model's own. fp32 master weights (full fine-
-        tuning) are taken from the model's original values either way."""
+        plan's `job.compute_dtype`); None keeps the model's own. Full fine-tuning keeps master
+        weights, AdamW moments and the gradient accumulator in `master_dtype` (the plan's
+        `job.master_dtype`), taken from the model's original values: fp32 (mixed precision), or
+        bf16 for pure-bf16 training (exactly torch's AdamW on bf16 parameters, less memory and
+        traffic, coarser updates)."""
         if optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
+        if master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype}")
+        if optimizer == "adamw8bit" and master_dtype != torch.float32:
+            raise ValueError("optimizer=adamw8bit keeps fp32 master weights; use master_dtype fp32 "
+                             "(job.master_dtype=fp32) or optimizer=adamw")
+        self.master_dtype = master_dtype
         self.model = model
         self.plan = plan
         self._cast_to = compute_dtype
@@ -198,7 +208,8 @@ class StreamingExecutor:
             if d.param_tier == "nvme":
                 need_nvme += lay.layout.padded_nbytes
             if self.trainable[lay.index]:
-                need_nvme += lay.layout.numel * 4 * ((d.grad_tier == "nvme") + 3 * (d.optimizer_tier == "nvme"))
+                itemsize = torch.empty((), dtype=self.master_dtype).element_size()
+                need_nvme += lay.layout.numel * itemsize * ((d.grad_tier == "nvme") + 3 * (d.optimizer_tier == "nvme"))
         uses_nvme = need_nvme > 0 or any(d.activation_tier == "nvme" for d in self.decisions)
         self.host = HostStore(pin=self.cuda)
         self.nvme_root = None
@@ -244,7 +255,7 @@ class StreamingExecutor:
             st = None
             if self.trainable[lay.index]:
                 st = LayerTrainState(lay.name, FlatLayout(lay.layout.names, lay.layout.shapes, lay.layout.offsets,
-                                                          lay.layout.numels, torch.float32),
+                                                          lay.layout.numels, self.master_dtype),
                                      d.grad_tier, d.optimizer_tier, self.host, self.nvme, self.trace)
                 st.init_master(lay.extra["init_values"])
             self.states.append(st)

@@ -25,9 +25,12 @@ class LayerTrainState:
 
     def __init__(self, name: str, layout: FlatLayout, grad_tier: str, optimizer_tier: str,
                  host: HostStore, nvme: NvmeStore | None, trace: Trace) -> None:
+        """`layout.dtype` is the master dtype: fp32 (default), or bf16 for pure-bf16 training
+        (master, moments and gradient accumulator all bf16, as torch's AdamW on bf16 params)."""
         self.name, self.layout = name, layout
         self.numel = layout.numel
-        self.nbytes32 = self.numel * 4
+        self.dtype = layout.dtype
+        self.nbytes32 = self.numel * torch.empty((), dtype=self.dtype).element_size()
         self.grad_tier, self.optimizer_tier = grad_tier, optimizer_tier
         self.host, self.nvme, self.trace = host, nvme, trace
         # AdamW's step counters, one per tensor (the fused kernel takes one per parameter)
@@ -55,13 +58,13 @@ class LayerTrainState:
     # ---- tensors, materialised on host (read from NVMe when that is their tier) ---------
     def _load(self, what: str, tier: str) -> torch.Tensor:
         if tier == "host":
-            return typed(self.host.get(self._key(what)), F32, self.numel)
+            return typed(self.host.get(self._key(what)), self.dtype, self.numel)
         buf = staging_buffer(self.nbytes32)
         self._staging[what] = buf
         s = self.trace.now()
         self.nvme.read_sync(self._key(what), buf)
         self.trace.add("nvme_read", self.name, s, self.trace.now(), self.nbytes32, "nvme")
-        return typed(buf, F32, self.numel)
+        return typed(buf, self.dtype, self.numel)
 
     def _save(self, what: str, tier: str, t: torch.Tensor) -> None:
         if tier == "host":
@@ -74,10 +77,10 @@ class LayerTrainState:
     def _fresh(self, what: str, tier: str) -> torch.Tensor:
         """A tensor to overwrite entirely (no read from NVMe needed)."""
         if tier == "host":
-            return typed(self.host.get(self._key(what)), F32, self.numel)
+            return typed(self.host.get(self._key(what)), self.dtype, self.numel)
         buf = staging_buffer(self.nbytes32)
         self._staging[what] = buf
-        return typed(buf, F32, self.numel)
+        return typed(buf, self.dtype, self.numel)
 
     def init_master(self, values: list[torch.Tensor]) -> None:
         """Set fp32 master weights from the model's tensors; zero the moments."""
@@ -124,7 +127,7 @@ class LayerTrainState:
             elif first:
                 dst.copy_(g.reshape(-1))
             else:
-                dst.add_(g.reshape(-1).to(F32))
+                dst.add_(g.reshape(-1).to(self.dtype))
         self.has_grad = True
         if last:
             # Per-tensor norms, combined later exactly as torch.nn.utils.clip_grad_norm_ does.
@@ -179,20 +182,21 @@ class LayerTrainState:
 
 def _add_pair(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool,
               chunk: int = 1 << 22) -> None:
-    """dst = a + b (first) or dst += (a + b), in fp32, in chunks (no full-size temporary)."""
+    """dst = a + b (first) or dst += (a + b), a + b in dst's dtype as autograd sums a shared
+    leaf's incoming gradients, in chunks (no full-size temporary)."""
     for s in range(0, dst.numel(), chunk):
         d, x, y = dst[s:s + chunk], a[s:s + chunk], b[s:s + chunk]
         if first:
-            torch.add(x.to(F32), y.to(F32), out=d)
+            torch.add(x.to(d.dtype), y.to(d.dtype), out=d)
         else:
-            d.add_(x.to(F32) + y.to(F32))
+            d.add_(x.to(d.dtype) + y.to(d.dtype))
 
 
 def total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm from per-tensor norms (the same reduction clip_grad_norm_ uses)."""
     if not norms:
         return torch.zeros((), dtype=F32)
-    return torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+    return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))
 
 
 def clip_scale_for(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

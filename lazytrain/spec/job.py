@@ -35,7 +35,12 @@ class JobSpec:
         if self.mode == "lora" and self.lora_rank < 1:
             raise ValueError(f"job.lora_rank must be >= 1, got {self.lora_rank}")
         dtype_bytes(self.compute_dtype)
-        dtype_bytes(self.master_dtype)
+        if self.master_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"job.master_dtype must be fp32 (mixed precision) or bf16 (pure-bf16 "
+                             f"training), got {self.master_dtype!r}")
+        if self.master_dtype == "bf16" and self.optimizer_state_bits == 8:
+            raise ValueError("job.optimizer_state_bits=8 keeps an fp32 master copy; use "
+                             "job.master_dtype=fp32 with it")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
 
     @property
@@ -56,9 +61,12 @@ class JobSpec:
 
     @property
     def optimizer_state_bytes_per_param(self) -> float:
-        """m and v: 2 x 4 bytes in fp32; 2 x (1 byte + an fp32 absmax per 256-block) in 8-bit
-        (AdamW8bit's default block)."""
-        return 8.0 if self.optimizer_state_bits == 32 else 2.0 * (1 + 4 / 256)
+        """m and v: 2 x 4 bytes in fp32 (2 x 2 with a bf16 master: pure-bf16 training keeps the
+        moments in the parameters' dtype, as torch's AdamW does); 2 x (1 byte + an fp32 absmax per
+        256-block) in 8-bit (AdamW8bit's default block)."""
+        if self.optimizer_state_bits == 8:
+            return 2.0 * (1 + 4 / 256)
+        return 2.0 * min(4, self.master_bytes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -220,3 +220,28 @@ def test_disk_error_during_run_names_the_file(base_overrides, tmp_path, capsys, 
     assert "disk error: [Errno 28] write checkpoint" in io.err and "step_000004" in io.err
     assert "No space left on device" in io.err and "Traceback" not in io.err
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+def test_pure_bf16_job_runs_on_both_engines(base_overrides, tmp_path, capsys):
+    """job.master_dtype=bf16: both engines train the bf16 parameters themselves (no fp32 master,
+    bf16 moments, fused AdamW); the streamed run at a small budget ends with the same bf16 weights
+    as plain PyTorch, bit for bit."""
+    states = {}
+    for engine in ("torch", "lazytrain"):
+        out = tmp_path / engine
+        rc, io = _main([*base_overrides, "job.compute_dtype=bf16", "job.master_dtype=bf16", f"engine={engine}",
+                        "job.max_steps=3", f"output_dir={out}", *(SMALL_BUDGET if engine == "lazytrain" else [])],
+                       capsys)
+        assert rc == 0, io.err
+        states[engine] = _final_state(out, "full", [])
+    a, b = states["torch"], states["lazytrain"]
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert a[k].dtype == b[k].dtype == torch.bfloat16, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_master_dtype_is_checked(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, "job.master_dtype=fp16"], tmp_path, "master_dtype")
+    _bad(capsys, [*base_overrides, "job.master_dtype=bf16", "job.optimizer_state_bits=8"], tmp_path,
+         "optimizer_state_bits=8")

@@ -111,3 +111,29 @@ def test_twenty_steps_match_torch_adamw(family, plan_name, max_norm, fused, devi
     assert worst <= REL, f"{family}/{plan_name}: weights after {steps} steps differ, rel {worst:.2e}"
     assert ref_losses[-1] < ref_losses[0]   # the run actually trained
     ex.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-tied"])
+@pytest.mark.parametrize("plan_name", list(plan_families(3)))
+def test_pure_bf16_training_equals_plain_bf16_adamw(family, plan_name, tmp_path):
+    """master_dtype=bf16 (pure-bf16 full fine-tuning: weights, moments and gradient accumulator
+    in bf16) gives the same weights, bit for bit, as plain PyTorch training the bf16 model with
+    fused AdamW and clip_grad_norm_, over steps of two micro-batches, in every plan family."""
+    base = tiny_model(family, dtype="bfloat16")
+    plain = copy.deepcopy(base)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ex = StreamingExecutor(copy.deepcopy(base), hand_plan(3, **plan_families(3)[plan_name]), device="cpu",
+                           lr=1e-2, weight_decay=0.1, max_grad_norm=0.05, master_dtype=torch.bfloat16,
+                           nvme_dir=tmp_path)
+    for k in range(3):
+        mbs = random_batches(2, seed=k)
+        for ids, labels in mbs:
+            (plain(input_ids=ids, labels=labels).loss / len(mbs)).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ex.train_step(mbs)
+    model = ex.sync_model()
+    ex.close()
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert b.dtype == torch.bfloat16 and torch.equal(a, b), name
