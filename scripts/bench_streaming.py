@@ -6,9 +6,11 @@
 
 (a) tokens/s of streamed training (weights streamed from host; from NVMe) vs plain in-memory
     PyTorch on the same model, batch and sequence, two ways: "amp" has the streamed runs' numerics
-    (fp32 master weights and fused fp32 AdamW, bf16 compute under autocast); "bf16" is pure bf16
-    training (bf16 weights with fused AdamW on them, no master copy: less work per step, coarser
-    updates). Steps are interleaved round-robin and the medians compared (goal >= 0.95x from host).
+    (fp32 master weights and fused fp32 AdamW, bf16 compute under autocast), the reference for the
+    streamed runs with an fp32 master; "bf16" is pure bf16 training (bf16 weights with fused AdamW
+    on them, no master copy), the reference for the streamed "pure bf16" runs (job.master_dtype=bf16,
+    the same math bit for bit). Steps are interleaved round-robin and the medians compared (goal
+    >= 0.95x from host).
 (b) at a fixed device budget, the largest batch lazytrain runs vs plain PyTorch with HF gradient
     checkpointing. Both are counted the same way: the bytes a run places on the device tier, i.e.
     weights + gradients + optimizer state held there + the saved-for-backward tensors (unique
@@ -101,10 +103,11 @@ class PlainAmp(Plain):
 
 
 class Streamed:
-    def __init__(self, name: str, model, plan, nvme_dir) -> None:
+    def __init__(self, name: str, model, plan, nvme_dir, master_dtype=torch.float32) -> None:
         self.name = name
         self.short = name
-        self.ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=nvme_dir, lr=1e-4)
+        self.ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=nvme_dir, lr=1e-4,
+                                    master_dtype=master_dtype)
         self.last = None
 
     def step(self, mbs) -> float:
@@ -123,7 +126,13 @@ def section_a(args, model, nvme_dir) -> list[tuple]:
             "host": lambda: Streamed("streamed from host", copy.deepcopy(model),
                                      hand_plan(L, param_tier="host", prefetch_depth=2), nvme_dir),
             "nvme": lambda: Streamed("streamed from NVMe", copy.deepcopy(model),
-                                     hand_plan(L, param_tier="nvme", prefetch_depth=2), nvme_dir)}
+                                     hand_plan(L, param_tier="nvme", prefetch_depth=2), nvme_dir),
+            "host-bf16": lambda: Streamed("streamed from host, pure bf16 (bf16 master + moments)",
+                                          copy.deepcopy(model), hand_plan(L, param_tier="host", prefetch_depth=2),
+                                          nvme_dir, master_dtype=torch.bfloat16),
+            "nvme-bf16": lambda: Streamed("streamed from NVMe, pure bf16 (bf16 master + moments)",
+                                          copy.deepcopy(model), hand_plan(L, param_tier="nvme", prefetch_depth=2),
+                                          nvme_dir, master_dtype=torch.bfloat16)}
     runners = [make[k]() for k in args.a_runners.split(",")]
     mbs = batch(args.batch, args.seq, args.vocab)
     times: dict[str, list[float]] = {r.name: [] for r in runners}
@@ -404,7 +413,7 @@ def main() -> None:
     ap.add_argument("--budget-c-gib", type=float, default=1.0, help="device budget for (c)")
     ap.add_argument("--max-batch-b", type=int, default=48, help="(b): largest batch tried")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--a-runners", default="plain,amp,host,nvme",
+    ap.add_argument("--a-runners", default="plain,amp,host,nvme,host-bf16,nvme-bf16",
                     help="(a): which runs, interleaved; the first is the reference")
     ap.add_argument("--sections", default="abc")
     ap.add_argument("--nvme-dir", default=None, help="directory for NVMe-tier files (default: a temp dir)")

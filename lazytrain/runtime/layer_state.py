@@ -24,7 +24,8 @@ class LayerTrainState:
     """fp32 grads / master / moments for one layer's streamed parameters."""
 
     def __init__(self, name: str, layout: FlatLayout, grad_tier: str, optimizer_tier: str,
-                 host: HostStore, nvme: NvmeStore | None, trace: Trace) -> None:
+                 host: HostStore, nvme: NvmeStore | None, trace: Trace,
+                 master_alias: str | None = None) -> None:
         """`layout.dtype` is the master dtype: fp32 (default), or bf16 for pure-bf16 training
         (master, moments and gradient accumulator all bf16, as torch's AdamW on bf16 params)."""
         self.name, self.layout = name, layout
@@ -36,11 +37,17 @@ class LayerTrainState:
         # AdamW's step counters, one per tensor (the fused kernel takes one per parameter)
         self.steps = [torch.zeros((), dtype=F32) for _ in layout.names]
         self.norms: list[torch.Tensor] = []         # per-tensor L2 norms of this step's grads
+        self.track_norms = True                     # False: no clipping, nobody needs them
         self.has_grad = False
         self._staging: dict[str, torch.Tensor] = {}   # NVMe-tier tensors read for this job
         for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
                           ("exp_avg_sq", optimizer_tier)):
             store = self._store(tier)
+            if key == "master" and master_alias is not None and tier == "host":
+                # the master *is* the layer's host parameter store (pure bf16: same dtype), so the
+                # update writes the weights in place and nothing needs publishing
+                store.bufs[self._key(key)] = store.get(master_alias)
+                continue
             store.allocate(self._key(key), self.nbytes32)
 
     def _key(self, what: str) -> str:
@@ -113,6 +120,16 @@ class LayerTrainState:
         shared leaf's incoming gradients before adding them to `.grad`, so the result is the same
         bit for bit."""
         s = self.trace.now()
+        self._direct = None
+        if (first and last and shared is None and self.grad_tier == "host"
+                and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype for g in grads)):
+            # One micro-batch whose grads already are host tensors of the master dtype (pure bf16
+            # on a CPU device): the update reads them where they are, no copy into the accumulator.
+            self._direct = [g.reshape(-1) for g in grads]
+            self.has_grad = True
+            self.norms = [torch.linalg.vector_norm(g) for g in self._direct] if self.track_norms else []
+            self.trace.add("d2h", self.name, s, self.trace.now(), 0, self.grad_tier)
+            return
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             dst = acc[o:o + n]
@@ -129,7 +146,7 @@ class LayerTrainState:
             else:
                 dst.add_(g.reshape(-1).to(self.dtype))
         self.has_grad = True
-        if last:
+        if last and self.track_norms:
             # Per-tensor norms, combined later exactly as torch.nn.utils.clip_grad_norm_ does.
             self.norms = [torch.linalg.vector_norm(acc[o:o + n]) for o, n in
                           zip(self.layout.offsets, self.layout.numels)]
@@ -148,10 +165,12 @@ class LayerTrainState:
     def update(self, hp: dict, clip_scale: torch.Tensor | None, write_params, opt8=None) -> None:
         """AdamW on this layer's fp32 master, then `write_params(master_fp32)` publishes weights."""
         s = self.trace.now()
-        grad = self._load("grad", self.grad_tier)
+        direct, self._direct = getattr(self, "_direct", None), None
+        grad = self._load("grad", self.grad_tier) if direct is None else None
+        grads = direct if direct is not None else self.layout.views(grad)
         if clip_scale is not None and float(clip_scale) != 1.0:
             # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly)
-            grad.mul_(clip_scale)
+            torch._foreach_mul_(grads, clip_scale) if direct is not None else grad.mul_(clip_scale)
         master = self._load("master", self.optimizer_tier)
         if opt8 is not None:
             p = opt8.param_groups[0]["params"][0]
@@ -168,7 +187,8 @@ class LayerTrainState:
             # depends on each tensor's length).
             lay = self.layout
             fused = bool(hp.get("fused", True))
-            _adamw(lay.views(master), lay.views(grad), lay.views(m), lay.views(v), [], self.steps,
+            gviews = lay.views(grad) if direct is None else [g.view(sh) for g, sh in zip(direct, lay.shapes)]
+            _adamw(lay.views(master), gviews, lay.views(m), lay.views(v), [], self.steps,
                    fused=fused, foreach=None if fused else False, amsgrad=False,
                    beta1=hp["betas"][0], beta2=hp["betas"][1], lr=hp["lr"],
                    weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False)
