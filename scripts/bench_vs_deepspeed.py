@@ -16,8 +16,9 @@ CPU offload and against the DeepSpeed row of the same tier), peak RSS, first-ste
 largest batch whose peak RSS fits --mem-limit-gib. For that column every engine runs in its most
 memory-frugal setting: each decoder block recomputed from its own kept input (DeepSpeed: the same
 per-block Hugging Face checkpointing; lazytrain: the kept inputs on the engine's tier; plain torch
-keeps everything); peak RSS is measured at batch 1 and --probe-batch, the batch extrapolated
-linearly, and that batch then run once to check that it fits (marked "~" when not checked).
+keeps everything); peak RSS is measured at --probe-batch and a quarter of it, the batch
+extrapolated linearly and run once to check that it fits (if it does not, the slope is refitted
+through that run and the smaller batch run once more; "~" when not checked).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def make_plan(a: argparse.Namespace, batch: int, tier: str, frugal: bool = False
     from lazytrain.spec import JobSpec, ModelSpec
     cfg = load_config(["hardware=cpu"])
     hw = hardware_spec(cfg)
+    if frugal:  # the max-batch column: the device budget is the whole memory limit (same RAM here)
+        hw = dataclasses.replace(hw, device_memory_gib=a.mem_limit_gib)
     model = ModelSpec.from_hf_config(model_config(a), name="bench-llama")
     job = JobSpec(batch_size=batch, seq_len=a.seq, mode="full", compute_dtype="bf16")
     plan = plan_job(model, hw, job, PlannerOptions(time_limit_s=20), cache_dir=str(ROOT / "solver_cache"))
@@ -234,8 +237,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="engines run interleaved this many times")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--probe-batch", type=int, default=4, help="second batch size for the RSS fit; 0: skip")
-    p.add_argument("--max-batch-cap", type=int, default=128, help="largest batch the max-batch column reports")
+    p.add_argument("--probe-batch", type=int, default=16,
+                   help="RSS fit between this batch and a quarter of it (max-batch column); 0: skip")
+    p.add_argument("--max-batch-cap", type=int, default=64, help="largest batch the max-batch column reports")
     p.add_argument("--no-verify-max-batch", dest="verify_max_batch", action="store_false",
                    help="do not run the extrapolated max batch once to check it fits")
     p.add_argument("--mem-limit-gib", type=float, default=12.0, help="peak-RSS limit for the max-batch column")
@@ -311,7 +315,8 @@ def main() -> int:
             if not a.probe_batch or pending or "error" in rows.get(e, {"error": 1}):
                 continue
             probe: dict = {}
-            for b in (1, a.probe_batch):
+            lo = max(1, a.probe_batch // 4)
+            for b in (lo, a.probe_batch):
                 pp, dp, _, pend = prepare(a, e, b, tmp, frugal=True)
                 if pend:
                     break
@@ -319,18 +324,28 @@ def main() -> int:
                 print(f"[{e}] frugal probe batch {b}: {json.dumps(probe[b])}", flush=True)
             if len(probe) < 2 or any("peak_rss_bytes" not in r for r in probe.values()):
                 continue
-            r1, r2 = probe[1]["peak_rss_bytes"], probe[a.probe_batch]["peak_rss_bytes"]
-            slope = (r2 - r1) / (a.probe_batch - 1)
+            r1, r2 = probe[lo]["peak_rss_bytes"], probe[a.probe_batch]["peak_rss_bytes"]
+            slope = (r2 - r1) / (a.probe_batch - lo)
             limit = a.mem_limit_gib * GiB
-            est = 0 if r1 > limit else (a.max_batch_cap if slope <= 0 else
-                                        min(a.max_batch_cap, 1 + int((limit - r1) // slope)))
+
+            def extrapolate(b0: int, r0: float, k: float) -> int:
+                if r0 > limit:
+                    return 0
+                return a.max_batch_cap if k <= 0 else min(a.max_batch_cap, b0 + int((limit - r0) // k))
+            est = extrapolate(a.probe_batch, r2, slope)
             probes[e] = {"rss_b1": r1, "slope": slope, "estimate": est}
-            if est >= 1 and a.verify_max_batch:
-                pp, dp, _, _ = prepare(a, e, est, tmp, frugal=True)
-                v = run_worker(a, e, est, pp, dp, steps=1, warmup=0)
+            # run the estimate; if it does not fit, refit the slope through that run and retry once
+            for attempt in range(2 if a.verify_max_batch else 0):
+                if est < 1:
+                    break
+                pp, dp, _, pend = prepare(a, e, est, tmp, frugal=True)
+                v = ({"error": pend} if pend else run_worker(a, e, est, pp, dp, steps=1, warmup=0))
                 print(f"[{e}] verify batch {est}: {json.dumps(v)}", flush=True)
-                probes[e]["verified_rss"] = v.get("peak_rss_bytes")
-                probes[e]["verify_error"] = v.get("error")
+                probes[e].update(estimate=est, verified_rss=v.get("peak_rss_bytes"), verify_error=v.get("error"))
+                rv = v.get("peak_rss_bytes")
+                if v.get("error") or rv is None or rv <= limit or attempt == 1:
+                    break
+                est = min(est - 1, extrapolate(a.probe_batch, r2, (rv - r2) / max(1, est - a.probe_batch)))
     print_table(a, rows, probes)
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs; above that, "
           f"other processes shared the cores and absolute times are inflated)")
