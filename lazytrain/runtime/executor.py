@@ -5,7 +5,8 @@ keeps only what the plan keeps (saved tensors on their tier, or just a recompute
 backward calls torch.autograd.grad per layer with the incoming gradient, so a layer's weights,
 activations and gradients need to be on the device only around its own compute. Weights stream
 through `ParamStreamer`; activations through `ActivationStore`; fp32 gradients, master weights and
-AdamW states live on host/NVMe in `LayerTrainState` and are updated on an optimizer thread.
+AdamW states live on host/NVMe in `LayerTrainState` and are updated on an optimizer thread
+(CUDA; on a CPU device inline, in the same order: the same cores would run both).
 The plan is never changed here.
 
 MoE models with `config.output_router_logits` get HF's router load-balancing loss: each block's
@@ -121,7 +122,8 @@ class StreamingExecutor:
         weights, AdamW moments and the gradient accumulator in `master_dtype` (the plan's
         `job.master_dtype`), taken from the model's original values: fp32 (mixed precision), or
         bf16 for pure-bf16 training (exactly torch's AdamW on bf16 parameters, less memory and
-        traffic, coarser updates)."""
+        traffic, coarser updates). `overlap_optimizer`: run accumulation and updates on their own
+        thread (default: on CUDA; inline on a CPU device)."""
         if optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
         if master_dtype not in (torch.float32, torch.bfloat16):
