@@ -1,9 +1,23 @@
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from lazytrain.moe import CacheTooSmallError, ExpertCache, ExpertStore, load_streamed
 from lazytrain.moe.policies import LFU, LRU, Belady, Forecast, make_policy
 from lazytrain.moe.stats import MoeCounters
+
+
+@contextmanager
+def lru_cache_on(store_dir, slots):
+    """An LRU ExpertCache with `slots` device slots over the store in `store_dir`, closed after."""
+    st = ExpertStore(store_dir)
+    cache = ExpertCache(st, slots, LRU())
+    try:
+        yield cache
+    finally:
+        cache.close()
+        st.close()
 
 
 def test_lru_evicts_least_recent():
@@ -57,17 +71,16 @@ def test_cache_too_small_says_minimum(mixtral_store):
 
 def test_demand_hits_and_reads(mixtral_store):
     _, d = mixtral_store
-    st = ExpertStore(d / "store")
-    cache = ExpertCache(st, 10, LRU())
-    try:
+    with lru_cache_on(d / "store", 10) as cache:
         c = MoeCounters()
         cache.wait(cache.acquire(0, [1, 2], 0, c), c)
         cache.unpin()
         cache.wait(cache.acquire(0, [2, 3], 1, c), c)
         cache.unpin()
         assert (c.demand, c.hits, c.misses) == (4, 1, 3)
-        assert cache.counters.reads == 3 and cache.counters.bytes_read == 3 * st.record_bytes
+        assert cache.counters.reads == 3 and cache.counters.bytes_read == 3 * cache.store.record_bytes
         # the slot holds exactly the record on disk
+        st = cache.store
         lr = st.layers[0]
         with open(st.dir / lr.file, "rb") as f:
             f.seek(3 * lr.record_bytes)
@@ -81,16 +94,11 @@ def test_demand_hits_and_reads(mixtral_store):
         assert c.prefetch_used == 1 and c.misses == 3
         views = cache.layer_views(1)
         assert views["gate_up_proj"].shape[0] == 10
-    finally:
-        cache.close()
-        st.close()
 
 
 def test_lru_fills_then_evicts_in_order(mixtral_store):
     _, d = mixtral_store
-    st = ExpertStore(d / "store")
-    cache = ExpertCache(st, 8, LRU())
-    try:
+    with lru_cache_on(d / "store", 8) as cache:
         c = MoeCounters()
         for step, e in enumerate(range(8)):
             cache.wait(cache.acquire(0, [e], step, c), c)
@@ -98,9 +106,6 @@ def test_lru_fills_then_evicts_in_order(mixtral_store):
         cache.wait(cache.acquire(1, [0], 8, c), c)       # evicts the LRU: (0, 0)
         cache.unpin()
         assert (0, 0) not in cache.slot_of and (0, 1) in cache.slot_of and (1, 0) in cache.slot_of
-    finally:
-        cache.close()
-        st.close()
 
 
 def test_reads_are_served_in_deadline_order_with_a_bounded_queue(mixtral_store):

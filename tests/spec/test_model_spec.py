@@ -76,6 +76,22 @@ def test_missing_keys_are_named(tmp_path):
     assert ModelSpec.from_pretrained_dir(tmp_path).num_layers == 2
 
 
+def saved_storage_bytes(run, exclude) -> int:
+    """Bytes of the distinct storages autograd saves while `run()` executes (saved-tensor hooks),
+    less those of the tensors in `exclude` (parameters, inputs)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    return sum(v for k, v in seen.items() if k not in skip)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
 def test_saved_activation_bytes_match_autograd(family):
     """The analytic bytes a block saves for backward are within 10% of what HF's block really
@@ -92,18 +108,9 @@ def test_saved_activation_bytes_match_autograd(family):
     x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(S)[None].expand(B, S)
     pe = model.model.rotary_emb(x, pos)
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
-    exclude = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    exclude |= {t.untyped_storage().data_ptr() for t in pe} | {x.untyped_storage().data_ptr()}
-    measured = sum(v for k, v in seen.items() if k not in exclude)
+    measured = saved_storage_bytes(
+        lambda: block(x, position_embeddings=pe, attention_mask=None, position_ids=pos),
+        [*block.parameters(), *pe, x])
     predicted = spec.layers[1].saved_bytes(B * S)
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
 
@@ -120,17 +127,8 @@ def test_head_saved_bytes_match_autograd(vocab):
     B, S = 2, 64
     x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab, (B, S))
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model.lm_head(model.model.norm(x))
-        model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    measured = sum(v for k, v in seen.items() if k not in exclude)
+    measured = saved_storage_bytes(
+        lambda: model.loss_function(logits=model.lm_head(model.model.norm(x)), labels=labels, vocab_size=vocab),
+        [*model.parameters(), x])
     predicted = spec.layers[-1].saved_bytes(B * S)
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)

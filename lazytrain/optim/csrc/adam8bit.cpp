@@ -195,30 +195,44 @@ inline __m512i quant_v(__m512 x, const VMap& q) {
   return k;
 }
 
+// One block's constants in registers: hyper-parameters, the clip scale and the old absmaxes.
+struct VHyper {
+  __m512 am, av, b1, omb1, b2, omb2, eps, decay, step, ibc2, clip;
+  VHyper(const Hyper& h, float c, float absmax_m, float absmax_v)
+      : am(_mm512_set1_ps(absmax_m)), av(_mm512_set1_ps(absmax_v)), b1(_mm512_set1_ps(h.b1)),
+        omb1(_mm512_set1_ps(h.omb1)), b2(_mm512_set1_ps(h.b2)), omb2(_mm512_set1_ps(h.omb2)),
+        eps(_mm512_set1_ps(h.eps)), decay(_mm512_set1_ps(h.decay)), step(_mm512_set1_ps(h.step_size)),
+        ibc2(_mm512_set1_ps(h.inv_bc2_sqrt)), clip(_mm512_set1_ps(c)) {}
+};
+
+// The AdamW update of 16 elements (block_scalar's arithmetic, in the same order): from the
+// gradient, the two dequantised code values and the weight, the new m and v (out) and weight.
+inline __m512 adam16(const VHyper& p, __m512 g, __m512 code_m, __m512 code_v, __m512 w, __m512& m,
+                     __m512& v) {
+  const __m512 gi = _mm512_mul_ps(g, p.clip);
+  m = _mm512_mul_ps(code_m, p.am);
+  v = _mm512_mul_ps(code_v, p.av);
+  m = _mm512_add_ps(_mm512_mul_ps(m, p.b1), _mm512_mul_ps(gi, p.omb1));
+  v = _mm512_add_ps(_mm512_mul_ps(v, p.b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), p.omb2));
+  const __m512 wi = _mm512_mul_ps(w, p.decay);
+  const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), p.ibc2), p.eps);
+  return _mm512_sub_ps(wi, _mm512_mul_ps(_mm512_div_ps(m, denom), p.step));
+}
+
 template <typename G>
 void block_avx512(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv, float* am,
                   float* av, int64_t n, const Hyper& h, float clip, const Tables& t, float* mbuf,
                   float* vbuf) {
-  const __m512 vam = _mm512_set1_ps(*am), vav = _mm512_set1_ps(*av);
-  const __m512 b1 = _mm512_set1_ps(h.b1), omb1 = _mm512_set1_ps(h.omb1);
-  const __m512 b2 = _mm512_set1_ps(h.b2), omb2 = _mm512_set1_ps(h.omb2);
-  const __m512 eps = _mm512_set1_ps(h.eps), decay = _mm512_set1_ps(h.decay);
-  const __m512 step = _mm512_set1_ps(h.step_size), ibc2 = _mm512_set1_ps(h.inv_bc2_sqrt);
-  const __m512 vclip = _mm512_set1_ps(clip);
+  const VHyper p(h, clip, *am, *av);
   const VMap qm_map(t.m), qv_map(t.v);
   __m512 mx_m = _mm512_setzero_ps(), mx_v = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = tail_mask(n - i);
-    const __m512 gi = _mm512_mul_ps(load_grad(g + i, k), vclip);
     const __m512i cm = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, qm + i));
     const __m512i cv = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, qv + i));
-    __m512 m = _mm512_mul_ps(dequant_v(cm, qm_map), vam);
-    __m512 v = _mm512_mul_ps(dequant_v(cv, qv_map), vav);
-    m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(gi, omb1));
-    v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
-    __m512 wi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, w + i), decay);
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
-    wi = _mm512_sub_ps(wi, _mm512_mul_ps(_mm512_div_ps(m, denom), step));
+    __m512 m, v;
+    const __m512 wi = adam16(p, load_grad(g + i, k), dequant_v(cm, qm_map), dequant_v(cv, qv_map),
+                             _mm512_maskz_loadu_ps(k, w + i), m, v);
     _mm512_mask_storeu_ps(w + i, k, wi);
     if (pbf) _mm256_mask_storeu_epi16(pbf + i, k, to_bf16(wi));
     _mm512_mask_storeu_ps(mbuf + i, k, m);
@@ -349,18 +363,13 @@ inline __m512 load_grad16(const G* g) {
   else return load_grad(g, static_cast<__mmask16>(0xFFFF));
 }
 
-// One block; the full 64-element chunks run here, a tail (< 64) through block_scalar-equivalent
-// masked code in block_avx512 is avoided by the caller only ever passing n % 64 == 0 here.
+// One block whose length is a multiple of 64 (the caller sends other blocks, i.e. a tensor's
+// short last block, to block_avx512's masked loop).
 template <typename G>
 void block_vbmi(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv, float* am, float* av,
                 int64_t n, const Hyper& h, float clip, const BMap& bm, const BMap& bv, const Perm& pm,
                 float* mbuf, float* vbuf) {
-  const __m512 vam = _mm512_set1_ps(*am), vav = _mm512_set1_ps(*av);
-  const __m512 b1 = _mm512_set1_ps(h.b1), omb1 = _mm512_set1_ps(h.omb1);
-  const __m512 b2 = _mm512_set1_ps(h.b2), omb2 = _mm512_set1_ps(h.omb2);
-  const __m512 eps = _mm512_set1_ps(h.eps), decay = _mm512_set1_ps(h.decay);
-  const __m512 step = _mm512_set1_ps(h.step_size), ibc2 = _mm512_set1_ps(h.inv_bc2_sqrt);
-  const __m512 vclip = _mm512_set1_ps(clip);
+  const VHyper p(h, clip, *am, *av);
   __m512 mx_m = _mm512_setzero_ps(), mx_v = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 64) {
     // Software prefetch PF elements ahead (may run past the block into the next one of the same
@@ -379,14 +388,8 @@ void block_vbmi(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv, f
     dequant64(_mm512_loadu_si512(qv + i), bv, pm, cv);
     for (int j = 0; j < 4; ++j) {
       const int64_t o = i + 16 * j;
-      const __m512 gi = _mm512_mul_ps(load_grad16(g + o), vclip);
-      __m512 m = _mm512_mul_ps(cm[j], vam);
-      __m512 v = _mm512_mul_ps(cv[j], vav);
-      m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(gi, omb1));
-      v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
-      __m512 wi = _mm512_mul_ps(_mm512_loadu_ps(w + o), decay);
-      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
-      wi = _mm512_sub_ps(wi, _mm512_mul_ps(_mm512_div_ps(m, denom), step));
+      __m512 m, v;
+      const __m512 wi = adam16(p, load_grad16(g + o), cm[j], cv[j], _mm512_loadu_ps(w + o), m, v);
       _mm512_storeu_ps(w + o, wi);
       if (pbf) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf + o), to_bf16(wi));
       _mm512_store_ps(mbuf + o, m);
