@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..profile.hardware import details_dict, measured_spec, write_profile
-    from ..profile.layers import measure_layers
+    from ..profile.layers import DTYPES, measure_layers
     from ..profile.links import measure_copies, measure_disk, measure_matmul_tflops
 
     size = args.size_mib * MiB
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as d:
         disk = measure_disk(args.nvme_dir or d, size, repeats=max(1, args.repeats // 2))
     print(f"  NVMe ({disk.reason}) read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s", flush=True)
-    peak = measure_matmul_tflops(torch.bfloat16 if dtype == "bf16" else torch.float32, device)
+    peak = measure_matmul_tflops(DTYPES[dtype], device)   # the dtype the layers are timed in
     print(f"  matmul peak {peak * 1e3:.0f} GFLOP/s ({dtype})", flush=True)
     layers = None
     if not args.no_layers:

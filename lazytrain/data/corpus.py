@@ -7,7 +7,6 @@ No network, deterministic for a given Python version.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 
@@ -52,10 +51,3 @@ def build_corpus(out_dir: str | Path, val_fraction: float = 0.05) -> tuple[Path,
         tmp.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
         tmp.replace(p)
     return train_p, val_p
-
-
-def corpus_fingerprint(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(Path(p).read_bytes())
-    return h.hexdigest()[:16]

@@ -67,7 +67,6 @@ class ExpertCache:
         else:
             self.pool = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
         self.slot_of: dict[Key, int] = {}
-        self.owner: list[Key | None] = [None] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))
         self.pending: dict[Key, ReadRequest] = {}     # queued or reading
         self.prefetched: set[Key] = set()             # loaded by prefetch, not yet demanded
@@ -122,7 +121,6 @@ class ExpertCache:
         if self.host is not None:
             # Evictable means not pending: the slot holds the complete record, so it can spill.
             self.host.put(victim, self.pool[slot], now, keep=keep)
-        self.owner[slot] = None
         self.policy.forget(victim)
         self.prefetched.discard(victim)
         return slot
@@ -130,7 +128,6 @@ class ExpertCache:
     def _enqueue(self, key: Key, slot: int, deadline: int, prefetch: bool) -> ReadRequest:
         req = ReadRequest(key, slot, deadline, prefetch)
         self.slot_of[key] = slot
-        self.owner[slot] = key
         self.pending[key] = req
         self._push(deadline, req)
         return req
@@ -165,7 +162,6 @@ class ExpertCache:
         self.pending.pop(key, None)
         self.prefetched.discard(key)
         if slot is not None:
-            self.owner[slot] = None
             self.free.append(slot)
 
     # ---- demand path --------------------------------------------------------------------------
@@ -218,7 +214,6 @@ class ExpertCache:
                     t0 = time.perf_counter()
                     busy[0].event.wait()
                     c.stall_s += time.perf_counter() - t0
-                    slot = None
                 self.pinned.add(slot)
                 if in_host and self._from_host(key, slot, c):
                     c.host_hits += 1             # a memcpy instead of a disk read: no wait
@@ -232,7 +227,6 @@ class ExpertCache:
         if not self.host.take(key, self.pool[slot]):
             return False
         self.slot_of[key] = slot
-        self.owner[slot] = key
         c.host_bytes += self.slot_bytes
         return True
 
@@ -294,8 +288,6 @@ class ExpertCache:
             self.policy.touch(key, now)
             c.prefetch_issued += 1
 
-    def resident(self, layer: int) -> set[int]:
-        return {e for (l, e) in self.slot_of if l == layer}
 
     # ---- I/O threads --------------------------------------------------------------------------
     def _worker(self) -> None:

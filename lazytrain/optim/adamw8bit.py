@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lazytrain.optim import kernel_cpp, kernel_torch, qmap
+from lazytrain.optim import kernel_cpp, kernel_torch
 from lazytrain.optim.kernel_torch import HYPER_FIELDS
 
 STATE_FORMAT = "lazytrain-adamw8bit-v1"

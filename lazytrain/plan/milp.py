@@ -345,7 +345,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     with _quiet_stdout():
         prob.solve(slv)
     has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if not has_solution and slv_name == "highs":
+    if not has_solution and slv_name == "highs" and prob.status == pulp.LpStatusInfeasible:
         # HiGHS' presolve has declared feasible models infeasible here (seen on pinned heuristic
         # models with near-binding capacity rows); believe "infeasible" only without presolve.
         slv, _ = make_solver(solver, time_limit_s, mip_gap, presolve=False)

@@ -75,8 +75,8 @@ class TorchEngine:
                  max_grad_norm: float | None, optimizer: str = "adamw",
                  master_dtype: torch.dtype = torch.float32) -> None:
         if optimizer != "adamw":
-            raise EngineUnavailable(f"engine=torch runs 32-bit AdamW only (job.optimizer_state_bits=32); "
-                                    f"use engine=lazytrain for 8-bit states")
+            raise EngineUnavailable("engine=torch runs 32-bit AdamW only (job.optimizer_state_bits=32); "
+                                    "use engine=lazytrain for 8-bit states")
         # fp32 master: fp32 weights + autocast; bf16 master: pure-bf16 training (the model in bf16)
         self.model = model.to(device)
         if master_dtype != torch.float32:   # parameters only: buffers (rotary inv_freq) keep fp32

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
+from ..models.lora import apply_lora
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
@@ -182,18 +183,6 @@ def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: in
         except ValueError as e:  # e.g. targets the model does not have
             raise ConfigError(f"job.lora_targets: {str(e).splitlines()[0]}") from None
     return model
-
-
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> torch.nn.Module:
-    try:
-        from ..models.lora import apply_lora as _apply
-    except ImportError:  # the models package's helper is the same PEFT call
-        from peft import LoraConfig, get_peft_model
-
-        def _apply(m, r, a, t):
-            return get_peft_model(m, LoraConfig(r=r, lora_alpha=a, target_modules=list(t),
-                                                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
-    return _apply(model, rank, alpha, targets)
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:

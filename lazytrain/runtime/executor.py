@@ -546,9 +546,7 @@ class StreamingExecutor:
             prev_out = out
             h = out if d.recompute else out.detach()
             # the live boundary (hidden state handed to the next layer) is device memory too
-            self.acct.free(live, "live_boundary")
-            live = h.nbytes
-            self.acct.alloc(live, "live_boundary")
+            live = self._track_grad(live, h)
             if d.recompute:
                 prev_out = None
         # ---- backward
@@ -609,7 +607,8 @@ class StreamingExecutor:
         return float(mb["loss"]), (float(aux) if aux is not None else None)
 
     def _track_grad(self, live: int, g: torch.Tensor | None) -> int:
-        """Count the gradient flowing between layers (replaces the previous one)."""
+        """Count the tensor flowing between layers, the hidden state or its gradient (replaces the
+        previous one)."""
         self.acct.free(live, "live_boundary")
         n = g.nbytes if g is not None else 0
         self.acct.alloc(n, "live_boundary")
@@ -641,11 +640,13 @@ class StreamingExecutor:
         for f in self._pending:
             f.result()
         self._pending.clear()
-        norms = [n for st in self.states if st is not None for n in st.norms]
-        norms += [torch.linalg.vector_norm(self.adapter_grads[id(p)]) for p in self.adapter_params
-                  if id(p) in self.adapter_grads]
-        norm_t = total_norm(norms)
-        grad_norm = float(norm_t) if self.max_grad_norm is not None else None
+        norm_t = grad_norm = None
+        if self.max_grad_norm is not None:   # norms are needed (and computed) only for clipping
+            norms = [n for st in self.states if st is not None for n in st.norms]
+            norms += [torch.linalg.vector_norm(self.adapter_grads[id(p)]) for p in self.adapter_params
+                      if id(p) in self.adapter_grads]
+            norm_t = total_norm(norms)
+            grad_norm = float(norm_t)
         skipped = False
         if self.max_grad_norm is not None:
             scale = clip_scale_for(norm_t, self.max_grad_norm)

@@ -40,6 +40,7 @@ class LayerTrainState:
         self.track_norms = True                     # False: no clipping, nobody needs them
         self.has_grad = False
         self._staging: dict[str, torch.Tensor] = {}   # NVMe-tier tensors read for this job
+        self._direct: list[torch.Tensor] | None = None  # this step's grads, used where they are
         for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
                           ("exp_avg_sq", optimizer_tier)):
             store = self._store(tier)
@@ -99,11 +100,17 @@ class LayerTrainState:
                 t.zero_()
             self._save(what, self.optimizer_tier, t)
 
+    def _read(self, what: str) -> torch.Tensor:
+        """Read-only load: an NVMe staging buffer is not kept for a later `_save`."""
+        t = self._load(what, self.optimizer_tier)
+        self._staging.pop(what, None)
+        return t
+
     def master(self) -> torch.Tensor:
-        return self._load("master", self.optimizer_tier)
+        return self._read("master")
 
     def load_tensor(self, what: str) -> torch.Tensor:
-        return self._load(what, self.optimizer_tier).clone()
+        return self._read(what).clone()
 
     def store_tensor(self, what: str, src: torch.Tensor) -> None:
         t = self._load(what, self.optimizer_tier)
@@ -121,7 +128,7 @@ class LayerTrainState:
         bit for bit."""
         s = self.trace.now()
         self._direct = None
-        if (first and last and shared is None and self.grad_tier == "host"
+        if (first and last and shared is None and self.grad_tier == "host" and self.dtype != F32
                 and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype for g in grads)):
             # One micro-batch whose grads already are host tensors of the master dtype (pure bf16
             # on a CPU device): the update reads them where they are, no copy into the accumulator.
@@ -165,7 +172,7 @@ class LayerTrainState:
     def update(self, hp: dict, clip_scale: torch.Tensor | None, write_params, opt8=None) -> None:
         """AdamW on this layer's fp32 master, then `write_params(master_fp32)` publishes weights."""
         s = self.trace.now()
-        direct, self._direct = getattr(self, "_direct", None), None
+        direct, self._direct = self._direct, None
         grad = self._load("grad", self.grad_tier) if direct is None else None
         grads = direct if direct is not None else self.layout.views(grad)
         if clip_scale is not None and float(clip_scale) != 1.0:
@@ -195,6 +202,7 @@ class LayerTrainState:
             self._save("exp_avg", self.optimizer_tier, m)
             self._save("exp_avg_sq", self.optimizer_tier, v)
         self._save("master", self.optimizer_tier, master)
+        self._staging.pop("grad", None)   # read-only here: an NVMe-tier grad buffer is done with
         write_params(master)
         self.has_grad = False
         self.trace.add("optimizer", self.name, s, self.trace.now(), self.nbytes32 * 4, "host")

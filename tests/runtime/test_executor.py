@@ -195,7 +195,8 @@ def test_nonfinite_gradients_skip_the_step_when_clipping(tmp_path):
     ex.close()
 
 
-def test_adamw8bit_plugs_in_and_trains(tmp_path):
+@pytest.mark.parametrize("n_micro", [1, 2])
+def test_adamw8bit_plugs_in_and_trains(tmp_path, n_micro):
     pytest.importorskip("lazytrain.optim.adamw8bit")
     model = tiny_model("llama")
     plan = hand_plan(3, param_tier="host")
@@ -203,7 +204,7 @@ def test_adamw8bit_plugs_in_and_trains(tmp_path):
                             max_grad_norm=1.0)
     ex32 = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", optimizer="adamw", lr=3e-3,
                              max_grad_norm=1.0)
-    mbs = random_batches(2, seed=3)
+    mbs = random_batches(n_micro, seed=3)
     l8 = [ex8.train_step(mbs).loss for _ in range(15)]
     l32 = [ex32.train_step(mbs).loss for _ in range(15)]
     assert l8[-1] < l8[0] - 0.1                       # it trains
