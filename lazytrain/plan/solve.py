@@ -70,13 +70,12 @@ def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pin
 
 
 def pins_for(method: str, num_blocks: int, job: JobSpec | None = None) -> Pins | None:
-    if method == "milp":
-        if job is not None and job.mode == "full" and job.optimizer_state_bits == 8:
-            # the fused 8-bit AdamW updates in place in host memory: its states stay on the host
-            return Pins(optimizer_tier=("host",) * (num_blocks + 2))
-        return None
-    name = method.removeprefix("heuristic:")
-    return heuristic_pins(name, num_blocks)
+    """The method's pins (none for the MILP, a heuristic's otherwise), plus what the job requires
+    of every plan: the fused 8-bit AdamW updates in place in host memory, so its states stay there."""
+    pins = None if method == "milp" else heuristic_pins(method.removeprefix("heuristic:"), num_blocks)
+    if job is not None and job.mode == "full" and job.optimizer_state_bits == 8:
+        pins = replace(pins or Pins(), optimizer_tier=("host",) * (num_blocks + 2))
+    return pins
 
 
 def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
@@ -97,7 +96,7 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     costs = job_costs(model, hw, job)
     r = _solve(costs, hw, options, pins_for(method, model.num_layers, job))
     if r.status == "timeout" and method == "milp":
-        r = _fallback(costs, hw, options, model.num_layers, r)
+        r = _fallback(costs, hw, options, model.num_layers, job, r)
     if r.status in ("infeasible", "timeout"):
         lines = explain_infeasible(model, hw, job, options, method) if explain else ()
         plan = _empty_plan(model, hw, job, options, method, h, r, tuple(lines))
@@ -109,12 +108,12 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
 
 
 def _fallback(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, num_blocks: int,
-              timed_out: MilpResult) -> MilpResult:
+              job: JobSpec, timed_out: MilpResult) -> MilpResult:
     """The MILP found no plan within planner.time_limit_s: return the best heuristic plan (their
     checkpointing pinned, the rest solved), marked `feasible` and saying so; never fail silently."""
     best: MilpResult | None = None
     for name in HEURISTICS:
-        r = _solve(costs, hw, options, heuristic_pins(name, num_blocks))
+        r = _solve(costs, hw, options, pins_for(f"heuristic:{name}", num_blocks, job))
         if r.assignment is not None and (best is None or r.objective_s < best.objective_s):
             best = replace(r, detail=f"time limit {options.time_limit_s} s hit before the MILP found a "
                                      f"plan; best heuristic ({name}) returned")

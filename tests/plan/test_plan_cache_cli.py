@@ -103,6 +103,18 @@ def test_solver_timeout_returns_feasible_with_gap(make_llama, make_hw):
         assert plan.solver.gap is None or plan.solver.gap > 0
 
 
+@pytest.mark.parametrize("method", ["milp", "heuristic:offload-all", "heuristic:checkpoint-all"])
+def test_8bit_optimizer_states_stay_on_host_for_every_method(small, method):
+    """The fused 8-bit AdamW updates in host memory: no method (nor the MILP's timeout fallback,
+    which uses the same pins) may put its states on NVMe, which the executor would refuse."""
+    model, h, job = small
+    job = replace(job, mode="full", optimizer_state_bits=8)
+    plan = plan_job(model, replace(h, device_memory_gib=0.2), job, cache_dir=None, method=method)
+    assert plan.fits
+    assert all(d.optimizer_tier == "host" for d in plan.layers)
+    assert solve_mod.pins_for(method, model.num_layers, job).optimizer_tier == ("host",) * (model.num_layers + 2)
+
+
 def _cli(args, capsys):
     rc = cli_main(["plan", *args])
     out = capsys.readouterr()
