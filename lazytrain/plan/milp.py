@@ -18,6 +18,8 @@ Pinning (`pins`) fixes any subset of decisions, so the same model *evaluates* ha
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import os
 import sys
@@ -76,9 +78,15 @@ class _HiGHSWithStart(pulp.HiGHS):
         lp.solverModel.run()
 
 
+@functools.lru_cache(maxsize=1)
+def _available_solvers() -> tuple[str, ...]:
+    """PuLP probes every solver class it knows: once per process is enough."""
+    return tuple(pulp.listSolvers(onlyAvailable=True))
+
+
 def make_solver(name: str, time_limit_s: float, mip_gap: float, presolve: bool = True,
                 start: dict[str, float] | None = None):
-    available = pulp.listSolvers(onlyAvailable=True)
+    available = _available_solvers()
     if name in ("auto", "highs") and "HiGHS" in available:
         extra = {} if presolve else {"presolve": "off"}
         return _HiGHSWithStart(start=start, msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=2,

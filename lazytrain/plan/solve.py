@@ -19,7 +19,7 @@ from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
 from .milp import MilpResult, Pins, solve_milp
 from .plan import SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
-from .simulate import Timeline, simulate
+from .simulate import Timeline, memory_peaks, simulate
 from .simplify import simplify
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
         return TIMED_OUT
     if r.status == "infeasible" or r.assignment is None:
         return None
-    return simulate(costs, r.assignment, hw, depth=options.prefetch_depth).peak_bytes["device"]
+    return memory_peaks(costs, r.assignment, options.prefetch_depth)[0]["device"]   # = simulate()'s
 
 
 def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions, method: str = "milp") -> bool:
