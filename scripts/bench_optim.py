@@ -1,6 +1,6 @@
 """Optimizer-step benchmark on the CPU: lazytrain AdamW8bit against fp32 and 8-bit peers.
 
-    .venv/bin/python scripts/bench_optim.py            # ~51M params, 7 rounds (several minutes)
+    .venv/bin/python scripts/bench_optim.py            # ~51M params, 11 rounds (several minutes)
     .venv/bin/python scripts/bench_optim.py --quick    # ~13M params, 3 rounds (smoke run)
 
 Every optimizer updates its own copy of the same fp32 parameters (Llama-like shapes: fused qkv,
@@ -154,7 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 layer (~13M params), 3 rounds")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of parameters (4 -> ~51M)")
-    ap.add_argument("--rounds", type=int, default=7, help="timed rounds (median reported)")
+    ap.add_argument("--rounds", type=int, default=11, help="timed rounds (median reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     args = ap.parse_args()
     if args.quick:

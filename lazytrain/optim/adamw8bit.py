@@ -30,7 +30,6 @@ a bit-identical pure-torch fallback (kernel_torch.py), which also serves CUDA te
 from __future__ import annotations
 
 import math
-import struct
 from collections import defaultdict
 from collections.abc import Iterable
 from itertools import chain
@@ -45,9 +44,7 @@ STATE_FORMAT = "lazytrain-adamw8bit-v1"
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _f32(x: float) -> float:
-    """Round a Python float to the nearest float32 (both kernels then use the same constant)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+_f32 = kernel_torch.f32
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -188,9 +185,12 @@ class AdamW8bit(torch.optim.Optimizer):
         return state
 
     @staticmethod
-    def _hyper(group: dict, step: int) -> list[float]:
+    def _hyper(group: dict, step: int, memo: dict | None = None) -> list[float]:
         beta1, beta2 = group["betas"]
         lr = group["lr"]
+        key = (lr, beta1, beta2, group["eps"], group["weight_decay"], step)
+        if memo is not None and key in memo:
+            return memo[key]
         values = dict(
             b1=beta1,
             omb1=1.0 - beta1,
@@ -201,7 +201,10 @@ class AdamW8bit(torch.optim.Optimizer):
             step_size=lr / (1.0 - beta1**step),
             inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
         )
-        return [_f32(values[k]) for k in HYPER_FIELDS]
+        row = [_f32(values[k]) for k in HYPER_FIELDS]
+        if memo is not None:
+            memo[key] = row
+        return row
 
     @torch.no_grad()
     def step_params(self, params: Iterable[torch.Tensor], clip_scale: float | None = 1.0) -> None:
@@ -233,9 +236,11 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> None:
         weights = [s["master"] if "master" in s else p.view(-1) for p, _, s, _ in items]
-        bf16_out = [p.view(-1) if "master" in s else torch.empty(0) for p, _, s, _ in items]
+        none = torch.empty(0)
+        bf16_out = [p.view(-1) if "master" in s else none for p, _, s, _ in items]
         grads = [g for _, g, _, _ in items]
-        hyper = [self._hyper(group, s["step"]) for _, _, s, group in items]
+        memo: dict = {}  # most parameters share their group's settings and step count
+        hyper = [self._hyper(group, s["step"], memo) for _, _, s, group in items]
         mod = self._cpp(device)
         if mod is not None:
             h = torch.tensor(hyper, dtype=torch.float32).reshape(len(items), len(HYPER_FIELDS))

@@ -7,6 +7,7 @@ as csrc/adam8bit.cpp, so both give bit-identical weights, codes and absmax on th
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,17 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.double()).float()
 
 
+def f32(x: float) -> float:
+    """Round a Python float to the nearest float32 (the kernels then use the same constant)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def grad_coefs(clip: float, h: dict[str, float]) -> tuple[float, float]:
+    """float32 ``clip * (1 - b1)`` and ``clip * clip * (1 - b2)``, rounded as the C++ kernel does."""
+    c = f32(clip)
+    return f32(c * h["omb1"]), f32(f32(c * c) * h["omb2"])
+
+
 def _inv_or_zero(absmax: torch.Tensor) -> torch.Tensor:
     return torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
 
@@ -52,11 +64,12 @@ def _segment(
     clip: float,
     t: Tables,
 ) -> None:
-    gi = g.float() * clip
-    m = t.code_s[qm.long()] * am[:, None]
-    v = t.code_u[qv.long()] * av[:, None]
-    m = m * h["b1"] + gi * h["omb1"]
-    v = v * h["b2"] + (gi * gi) * h["omb2"]
+    # Constants folded per tensor (clip into the gradient coefficients) and per block (absmax into
+    # the decay): three fewer products per element than the textbook order.
+    c1, c2 = grad_coefs(clip, h)
+    gf = g.float()
+    m = t.code_s[qm.long()] * (am * h["b1"])[:, None] + gf * c1
+    v = t.code_u[qv.long()] * (av * h["b2"])[:, None] + (gf * gf) * c2
     wi = w * h["decay"]
     denom = _sqrt(v) * h["inv_bc2_sqrt"] + h["eps"]
     w.copy_(wi - (m / denom) * h["step_size"])
