@@ -23,12 +23,15 @@ Without ``max_grad_norm`` no norm is computed and non-finite gradients propagate
 Entry points: ``step()`` (one norm pass if ``max_grad_norm`` + one fused pass), and for the
 layer-streaming executor ``grad_sq_sum(params)`` per layer as its gradients land,
 ``clip_scale(total_sq)`` once, then ``step_params(params, clip_scale=...)`` per layer.
-Kernels: C++ (csrc/adam8bit.cpp, AVX-512 when the CPU has it, built on first use) for CPU tensors,
-a bit-identical pure-torch fallback (kernel_torch.py), which also serves CUDA tensors.
+Kernels: C++ (csrc/adam8bit.cpp, AVX-512 when the CPU has it, built on first use) for CPU tensors;
+for CUDA tensors the same arithmetic through torch.compile (kernel_compiled.py: inductor/Triton,
+one graph for all steps and sizes); and a bit-identical eager pure-torch fallback (kernel_torch.py)
+for CPUs without a compiler and CUDA setups where compiling fails.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -37,14 +40,22 @@ from typing import Any
 
 import torch
 
-from lazytrain.optim import kernel_cpp, kernel_torch
+from lazytrain.optim import kernel_compiled, kernel_cpp, kernel_torch
 from lazytrain.optim.kernel_torch import HYPER_FIELDS
 
 STATE_FORMAT = "lazytrain-adamw8bit-v1"
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
+_LOG = logging.getLogger(__name__)
 _f32 = kernel_torch.f32
+_COMPILE_FAILED: str | None = None  # why the compiled kernel failed once (then eager for the process)
+
+
+def _compile_failed(exc: Exception) -> None:
+    global _COMPILE_FAILED
+    _COMPILE_FAILED = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    _LOG.warning("lazytrain.optim: the compiled 8-bit kernel failed (%s); using the eager one", _COMPILE_FAILED)
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -58,7 +69,9 @@ class AdamW8bit(torch.optim.Optimizer):
             ``math.inf`` to get the skip-on-non-finite check without clipping.
         block_size: elements per absmax block.
         min_8bit_numel: tensors with fewer elements keep fp32 m and v.
-        backend: "auto" (C++ kernel on CPU when it builds, else pure torch), "cpp" or "torch".
+        backend: "auto" (CPU: the C++ kernel when it builds, else pure torch; CUDA: the
+            torch.compile'd kernel, falling back to pure torch if it does not compile), "cpp",
+            "torch" (eager, every device) or "compile" (compiled, every device).
     """
 
     def __init__(
@@ -86,8 +99,10 @@ class AdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"AdamW8bit: max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if not (isinstance(block_size, int) and block_size >= 16):
             raise ValueError(f"AdamW8bit: block_size must be an int >= 16, got {block_size!r}")
-        if backend not in ("auto", "cpp", "torch"):
-            raise ValueError(f"AdamW8bit: backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
+        if backend not in ("auto", "cpp", "torch", "compile"):
+            raise ValueError(
+                f"AdamW8bit: backend must be 'auto', 'cpp', 'torch' or 'compile', got {backend!r}"
+            )
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
@@ -96,17 +111,28 @@ class AdamW8bit(torch.optim.Optimizer):
         self.backend = backend
         self.skipped_steps = 0
         self._tables: dict[torch.device, kernel_torch.Tables] = {}
+        self._compiled_tables: dict[torch.device, kernel_compiled.DeviceTables] = {}
         self._owner: dict[int, tuple[torch.Tensor, int]] = {}
 
     # ------------------------------------------------------------------ kernels
     def _cpp(self, device: torch.device) -> Any | None:
         """The C++ module when it should be used for tensors on ``device``."""
-        if self.backend == "torch" or device.type != "cpu":
+        if self.backend in ("torch", "compile") or device.type != "cpu":
             return None
         mod = kernel_cpp.load()
         if mod is None and self.backend == "cpp":
             raise RuntimeError(f"AdamW8bit(backend='cpp'): {kernel_cpp.unavailable_reason()}")
         return mod
+
+    def _compiled_on(self, device: torch.device) -> kernel_compiled.DeviceTables | None:
+        """Tables for the compiled kernel when it serves ``device`` (None: use the eager one)."""
+        if not (self.backend == "compile" or (self.backend == "auto" and device.type == "cuda")):
+            return None
+        if _COMPILE_FAILED is not None and self.backend == "auto":
+            return None
+        if device not in self._compiled_tables:
+            self._compiled_tables[device] = kernel_compiled.DeviceTables(self._tables_on(device), device)
+        return self._compiled_tables[device]
 
     def _tables_on(self, device: torch.device) -> kernel_torch.Tables:
         if device not in self._tables:
@@ -262,12 +288,22 @@ class AdamW8bit(torch.optim.Optimizer):
                 )  # fmt: skip
             return
         tables = self._tables_on(device)
+        compiled = self._compiled_on(device) if is8bit else None
         for w, out, g, (_, _, s, _), hv in zip(weights, bf16_out, grads, items, hyper):
             h = dict(zip(HYPER_FIELDS, hv))
             if is8bit:
-                kernel_torch.adam8bit_update_(
-                    w, g, s["qm"], s["qv"], s["absmax_m"], s["absmax_v"], h, clip, self.block_size, tables
-                )
+                args = (w, g, s["qm"], s["qv"], s["absmax_m"], s["absmax_v"], h, clip, self.block_size)
+            if compiled is not None:
+                try:
+                    kernel_compiled.adam8bit_update_(*args, compiled)
+                except Exception as exc:  # noqa: BLE001 - inductor/Triton missing or failing
+                    if self.backend == "compile":
+                        raise
+                    _compile_failed(exc)
+                    compiled = None
+                    kernel_torch.adam8bit_update_(*args, tables)
+            elif is8bit:
+                kernel_torch.adam8bit_update_(*args, tables)
             else:
                 kernel_torch.adam32_update_(w, g, s["exp_avg"], s["exp_avg_sq"], h, clip)
             if out.numel():

@@ -1,0 +1,126 @@
+"""torch.compile'd fused step: the CUDA path (inductor generates Triton), also runs on the CPU.
+
+The same arithmetic as kernel_torch.py, written so that one compiled graph serves every step and
+every tensor: the hyper-parameters and clip coefficients arrive as device tensors (Python floats
+would be baked in and recompile every step) and shapes are dynamic (one graph for all block
+counts). Inductor fuses the dequantise, the AdamW update, the per-block absmax and the requantise
+into a few kernels, so each block's parameter, gradient and states are read once and written once.
+Not bit-identical to the eager kernel: the compiler may reorder or contract the float arithmetic;
+tests hold it to the eager kernel within float32 rounding (and to identical codes almost
+everywhere). On the CPU the C++ kernel is faster; ``AdamW8bit(backend="compile")`` forces this
+path there for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from lazytrain.optim import qmap
+from lazytrain.optim.kernel_torch import HYPER_FIELDS, Tables, grad_coefs
+
+_LOG = logging.getLogger(__name__)
+_lock = threading.Lock()
+_compiled = None
+
+
+def _quant(x: torch.Tensor, tab: torch.Tensor, exp_lo: int, min_code: int, top: int, signed: bool) -> torch.Tensor:
+    # qmap.quantize_normalized with the tables as one int32 [3, 32] device tensor (shift, half, bias).
+    bits = x.view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    t = ((mag >> 23) - exp_lo).clamp(0, qmap.TABLE_SIZE - 1).long()
+    k = ((mag + tab[1][t]) >> tab[0][t]) + tab[2][t]
+    k = k.clamp(min_code, top)
+    if signed:
+        k = k | ((bits >> 24) & 0x80)
+    return k.to(torch.uint8)
+
+
+def _segment(
+    w: torch.Tensor,  # fp32 [k, b], updated in place
+    g: torch.Tensor,  # [k, b], fp32 or bf16
+    qm: torch.Tensor,  # uint8 [k, b]
+    qv: torch.Tensor,
+    am: torch.Tensor,  # fp32 [k]
+    av: torch.Tensor,
+    hv: torch.Tensor,  # fp32 [8] in HYPER_FIELDS order
+    coef: torch.Tensor,  # fp32 [2]: c1, c2 (kernel_torch.grad_coefs)
+    code_s: torch.Tensor,
+    code_u: torch.Tensor,
+    tab_m: torch.Tensor,  # int32 [3, 32]
+    tab_v: torch.Tensor,
+    exp_lo_m: int,
+    exp_lo_v: int,
+) -> None:
+    b1, b2, eps, decay, step_size, ibc2 = hv[0], hv[2], hv[4], hv[5], hv[6], hv[7]
+    gf = g.float()
+    m = code_s[qm.long()] * (am * b1)[:, None] + gf * coef[0]
+    v = code_u[qv.long()] * (av * b2)[:, None] + (gf * gf) * coef[1]
+    wi = w * decay
+    denom = torch.sqrt(v.double()).float() * ibc2 + eps
+    w.copy_(wi - (m / denom) * step_size)
+    am_new = m.abs().amax(dim=1)
+    av_new = v.amax(dim=1)
+    inv_m = torch.where(am_new > 0, 1.0 / am_new, torch.zeros_like(am_new))
+    inv_v = torch.where(av_new > 0, 1.0 / av_new, torch.zeros_like(av_new))
+    qm.copy_(_quant(m * inv_m[:, None], tab_m, exp_lo_m, 0, 127, True))
+    qv.copy_(_quant(v * inv_v[:, None], tab_v, exp_lo_v, 1, 255, False))
+    am.copy_(am_new)
+    av.copy_(av_new)
+
+
+def compiled_segment():
+    """The compiled ``_segment`` (compiled lazily, once per process)."""
+    global _compiled
+    with _lock:
+        if _compiled is None:
+            _compiled = torch.compile(_segment, dynamic=True, fullgraph=True)
+        return _compiled
+
+
+class DeviceTables:
+    """The code tables and per-binade tables of both maps on one device, built once."""
+
+    def __init__(self, tables: Tables, device: torch.device) -> None:
+        self.code_s = tables.code_s.to(device)
+        self.code_u = tables.code_u.to(device)
+        self.tab_m = torch.stack([tables.m.shift, tables.m.half, tables.m.bias]).to(device)
+        self.tab_v = torch.stack([tables.v.shift, tables.v.half, tables.v.bias]).to(device)
+        self.exp_lo_m = int(tables.m.exp_lo)
+        self.exp_lo_v = int(tables.v.exp_lo)
+
+
+def adam8bit_update_(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    qm: torch.Tensor,
+    qv: torch.Tensor,
+    am: torch.Tensor,
+    av: torch.Tensor,
+    h: dict[str, float],
+    clip: float,
+    block_size: int,
+    tables: DeviceTables,
+) -> None:
+    """kernel_torch.adam8bit_update_ through the compiled segment (full blocks, then the tail)."""
+    device = weight.device
+    hv = torch.tensor([h[k] for k in HYPER_FIELDS], dtype=torch.float32).to(device, non_blocking=True)
+    coef = torch.tensor(grad_coefs(clip, h), dtype=torch.float32).to(device, non_blocking=True)
+    seg = compiled_segment()
+    numel = weight.numel()
+    full = numel // block_size
+    cut = full * block_size
+    fixed = (hv, coef, tables.code_s, tables.code_u, tables.tab_m, tables.tab_v, tables.exp_lo_m, tables.exp_lo_v)
+    if full:
+        seg(
+            weight[:cut].view(full, block_size), grad[:cut].view(full, block_size),
+            qm[:cut].view(full, block_size), qv[:cut].view(full, block_size),
+            am[:full], av[:full], *fixed,
+        )  # fmt: skip
+    if cut < numel:
+        seg(
+            weight[cut:].view(1, -1), grad[cut:].view(1, -1), qm[cut:].view(1, -1), qv[cut:].view(1, -1),
+            am[full:], av[full:], *fixed,
+        )  # fmt: skip
