@@ -144,8 +144,10 @@ def preflight(cfg: DictConfig) -> Preflight:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{mspec.vocab_size}; use a matching tokenizer or model")
     cache = cfg.data.get("cache_dir")
+    prompt_field = cfg.data.get("prompt_field")
     ds = build_dataset(files, tokenizer, job.seq_len, seed=int(cfg.seed), text_field=str(cfg.data.text_field),
-                       cache_dir=Path(str(cache)).expanduser() if cache else None)
+                       cache_dir=Path(str(cache)).expanduser() if cache else None,
+                       prompt_field=str(prompt_field) if prompt_field else None)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)

@@ -89,3 +89,55 @@ def test_missing_tokenizer_dir(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="holds no tokenizer"):
         load_tokenizer(tmp_path / "empty")
+
+
+def test_prompt_completion_learns_only_completions(tmp_path, tok):
+    rows = [{"prompt": f"Question {i}: what does the for statement iterate over?",
+             "completion": f" the elements of a sequence, item {i}"} for i in range(40)]
+    f = tmp_path / "sft.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    ds = build_dataset([f], tok, seq_len=32, seed=0, prompt_field="prompt", text_field="completion",
+                       cache_dir=tmp_path / "cache")
+    # the learn mask against an independent tokenisation of the rows
+    ids, learn = [], []
+    for r in rows:
+        p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        c = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids += p + c
+        learn += [False] * len(p) + [True] * len(c)
+    n = len(ids) // 32
+    want_x = torch.tensor(ids[: n * 32]).view(n, 32)
+    want_y = torch.where(torch.tensor(learn[: n * 32]).view(n, 32), want_x, -100)
+    keep = (want_y[:, 1:] != -100).any(dim=1)
+    got = {tuple(x.tolist()): tuple(y.tolist()) for x, y in
+           ((ds.batch(k, 1).input_ids[0], ds.batch(k, 1).labels[0]) for k in range(len(ds)))}
+    assert len(ds) == int(keep.sum())
+    assert got == {tuple(x.tolist()): tuple(y.tolist()) for x, y in zip(want_x[keep], want_y[keep])}
+    assert any(-100 in y for y in got.values()) and any(v != -100 for y in got.values() for v in y)
+    # the cache keeps the mask; the same files read as plain text are a different dataset
+    again = build_dataset([f], tok, seq_len=32, seed=0, prompt_field="prompt", text_field="completion",
+                          cache_dir=tmp_path / "cache")
+    assert torch.equal(again.batch(0, 3).labels, ds.batch(0, 3).labels)
+    plain = build_dataset([f], tok, seq_len=32, seed=0, text_field="completion", cache_dir=tmp_path / "cache")
+    assert plain.learn is None and torch.equal(plain.batch(0, 2).labels, plain.batch(0, 2).input_ids)
+
+
+def test_prompt_completion_drops_sequences_with_nothing_to_learn(tok):
+    tokens = torch.arange(12) % 7
+    learn = torch.tensor([False] * 4 + [False, True, False, False] + [True] * 4)
+    ds = PackedDataset(tokens, 4, learn=learn)
+    # row 0: nothing; row 1: only position 1 (a target after the shift); row 2: all
+    assert len(ds) == 2 and torch.equal(ds.sequences, tokens[4:].view(2, 4))
+    with pytest.raises(DataError, match="no sequence .* holds a completion token"):
+        PackedDataset(tokens, 4, learn=torch.tensor([True] + [False] * 11))
+
+
+@pytest.mark.parametrize("content,name,match", [
+    ('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n', "p.jsonl", r"p.jsonl:2: no 'completion' field \(set data.text_field\)"),
+    ('{"question": "a", "completion": "b"}\n', "q.jsonl", r"no 'prompt' field \(set data.prompt_field\)"),
+    ("plain text", "t.txt", "must be JSONL"),
+])
+def test_prompt_completion_bad_rows(tmp_path, tok, content, name, match):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=match):
+        build_dataset([tmp_path / name], tok, seq_len=8, prompt_field="prompt", text_field="completion")
