@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 
+# Host staging sets for NVMe-tier optimizer state (master + moments of one layer each): one being
+# updated, one read ahead, one being written back. The executor's pool and the planner's host
+# bytes both use it.
+NVME_STATE_SETS = 3
+
 
 @dataclass(frozen=True)
 class LayerCost:

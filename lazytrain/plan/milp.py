@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from ..costmodel import JobCosts
+from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, weight_parts
@@ -241,6 +241,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     if full:
         host += pulp.lpSum(c.optimizer_bytes / GiB * o[j, "host"] for j, c in enumerate(layers) if (j, "host") in o)
         nvme += pulp.lpSum(c.optimizer_bytes / GiB * o[j, "nvme"] for j, c in enumerate(layers) if (j, "nvme") in o)
+        if any(t == "nvme" for (_, t) in o):
+            Ostage = pulp.LpVariable("nvme_state_staging", lowBound=0)  # largest NVMe-tier layer
+            for j, c in enumerate(layers):
+                if (j, "nvme") in o:
+                    prob += Ostage >= c.optimizer_bytes / GiB * o[j, "nvme"], f"ostage_{j}"
+            host += NVME_STATE_SETS * Ostage
         if G > 1:
             host += pulp.lpSum(c.grad_store_bytes / GiB * g[j, "host"] for j, c in enumerate(layers) if (j, "host") in g)
             nvme += pulp.lpSum(c.grad_store_bytes / GiB * g[j, "nvme"] for j, c in enumerate(layers) if (j, "nvme") in g)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..costmodel import JobCosts
+from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
 from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, weight_parts
@@ -166,6 +166,9 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
     if costs.trains_base:
         host += sum(c.optimizer_bytes for c, t in zip(layers, a.optimizer_tier) if t == "host")
         nvme += sum(c.optimizer_bytes for c, t in zip(layers, a.optimizer_tier) if t == "nvme")
+        # NVMe-tier state is updated through host staging sets (read ahead, written back async)
+        host += NVME_STATE_SETS * max((c.optimizer_bytes for c, t in zip(layers, a.optimizer_tier)
+                                       if t == "nvme"), default=0)
         if costs.grad_accum > 1:
             host += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "host")
             nvme += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "nvme")

@@ -35,7 +35,8 @@ from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, find_parts,
 from ..plan.plan import Plan
 from ..storage.aligned_io import IOPool, aligned_empty
 from ..storage.flat import FlatLayout, typed
-from ..storage.tiers import HostStore, NvmeStore, check_nvme_dir
+from ..costmodel import NVME_STATE_SETS
+from ..storage.tiers import HostStore, NvmeStore, StagingSets, check_nvme_dir
 from .accountant import MemoryAccountant
 from .activations import ActivationStore
 from .layer_state import LayerTrainState, clip_scale_for, total_norm
@@ -274,6 +275,8 @@ class StreamingExecutor:
     def _init_optimizer(self, optimizer: str) -> None:
         self.states: list[LayerTrainState | None] = []
         self.opt8 = None
+        staging = (StagingSets(NVME_STATE_SETS) if any(
+            t and d.optimizer_tier == "nvme" for t, d in zip(self.trainable, self.decisions)) else None)
         for lay, d in zip(self.layers, self.decisions):
             st = None
             if self.trainable[lay.index]:
@@ -282,13 +285,18 @@ class StreamingExecutor:
                                      d.grad_tier, d.optimizer_tier, self.host, self.nvme, self.trace,
                                      master_alias=self.streamer.key(lay)
                                      if (self.master_dtype == lay.layout.dtype and d.param_tier == "host"
-                                         and d.optimizer_tier == "host") else None)
+                                         and d.optimizer_tier == "host") else None, staging=staging)
                 st.init_master(lay.extra["init_values"])
                 st.track_norms = self.max_grad_norm is not None
             self.states.append(st)
             lay.extra.pop("init_values", None)
             if lay.resident is None:
                 self.streamer._unbind(lay)   # the originals are released here
+        # The order updates run in (clipping: after the norm, first layers first; otherwise as
+        # backward lands them, last first) and the NVMe-tier states among them, read ahead in it.
+        upd = [i for i, st in enumerate(self.states) if st is not None]
+        self._update_order = upd if self.max_grad_norm is not None else upd[::-1]
+        self._staged_order = [i for i in self._update_order if self.states[i].staging is not None]
         if optimizer == "adamw8bit" and not self.lora:
             try:
                 from ..optim import AdamW8bit  # type: ignore[attr-defined]
@@ -479,6 +487,15 @@ class StreamingExecutor:
         # while this step's updates are still landing.
         st = self.states[i]
         st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
+        if st.staging is not None:   # keep the read-ahead NVMe_STATE_SETS - 1 layers deep
+            k = self._staged_order.index(i) + NVME_STATE_SETS - 1
+            if k < len(self._staged_order):
+                self.states[self._staged_order[k]].prefetch()
+
+    def _prefetch_states(self) -> None:
+        """Start reading the first NVMe-tier optimizer states this step's updates will need."""
+        for i in self._staged_order[:NVME_STATE_SETS - 1]:
+            self.states[i].prefetch()
 
     # ---- a micro-batch -------------------------------------------------------------------
     def _rng_state(self) -> tuple:
@@ -627,6 +644,7 @@ class StreamingExecutor:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         n = len(micro_batches)
+        self._prefetch_states()   # read while this step computes
         losses, auxes, tokens = [], [], 0
         for k, (ids, labels) in enumerate(micro_batches):
             if ids.dim() != 2 or ids.shape != labels.shape:
@@ -659,6 +677,7 @@ class StreamingExecutor:
                 for st in self.states:
                     if st is not None:
                         st.has_grad = False
+                        st.cancel_prefetch()
         else:
             scale = None
         if not skipped:
@@ -767,6 +786,9 @@ class StreamingExecutor:
     def close(self) -> None:
         try:
             self.wait()
+            for st in getattr(self, "states", []):
+                if st is not None:
+                    st.flush()   # write-backs land (or raise) before the files go
         finally:
             self.streamer.close()
             self.acts.close()

@@ -4,20 +4,29 @@ per-layer optimizer update that writes fresh compute-dtype weights back to the p
 
 Every method here runs on the optimizer thread, one job at a time in submission order, so a
 layer's accumulate -> update -> write-back sequence needs no locks.
+
+NVMe-tier optimizer state (master + moments) moves through a shared, bounded pool of staging sets
+(`StagingSets`): `prefetch()` starts reading a layer's state ahead of its update, the update waits
+only for what has not arrived yet, and the write-back is asynchronous (the set returns to the pool
+when it lands). A later read of the same layer first waits for its write-back; a failed write is
+raised (with file and operation) at that read, at `flush()` or at close.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import Future
 
 import torch
 from torch.optim.adamw import adamw as _adamw
 
 from ..storage.flat import FlatLayout, typed
-from ..storage.tiers import HostStore, NvmeStore, staging_buffer
+from ..storage.tiers import HostStore, NvmeStore, StagingSets, staging_buffer
 from .trace import Trace
 
 F32 = torch.float32
+OPT_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class LayerTrainState:
@@ -25,7 +34,7 @@ class LayerTrainState:
 
     def __init__(self, name: str, layout: FlatLayout, grad_tier: str, optimizer_tier: str,
                  host: HostStore, nvme: NvmeStore | None, trace: Trace,
-                 master_alias: str | None = None) -> None:
+                 master_alias: str | None = None, staging: StagingSets | None = None) -> None:
         """`layout.dtype` is the master dtype: fp32 (default), or bf16 for pure-bf16 training
         (master, moments and gradient accumulator all bf16, as torch's AdamW on bf16 params)."""
         self.name, self.layout = name, layout
@@ -41,6 +50,10 @@ class LayerTrainState:
         self.has_grad = False
         self._staging: dict[str, torch.Tensor] = {}   # NVMe-tier tensors read for this job
         self._direct: list[torch.Tensor] | None = None  # this step's grads, used where they are
+        # NVMe-tier optimizer state through staging sets (None: synchronous, fresh buffers)
+        self.staging = staging if optimizer_tier == "nvme" else None
+        self._set: tuple[list[torch.Tensor], dict[str, Future]] | None = None  # read ahead
+        self._writes: list[Future] = []   # write-backs of the last update still landing
         for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
                           ("exp_avg_sq", optimizer_tier)):
             store = self._store(tier)
@@ -63,10 +76,70 @@ class LayerTrainState:
             return self.nvme
         raise ValueError(f"{self.name}: grad/optimizer tier must be host or nvme, got {tier!r}")
 
+    # ---- NVMe-tier optimizer state: read ahead, asynchronous write-back --------------------
+    def prefetch(self) -> None:
+        """Start reading this layer's master and moments into a staging set (NVMe tier only)."""
+        if self.staging is None or self._set is not None:
+            return
+        self._wait_writes()
+        bufs = self.staging.acquire(self.nbytes32)
+        reads = {w: self.nvme.read_into(self._key(w), b) for w, b in zip(OPT_KEYS, bufs)}
+        self._set = (bufs, reads)
+
+    def cancel_prefetch(self) -> None:
+        """Drop read-ahead state (a skipped step, or before the state is changed another way)."""
+        if self._set is None:
+            return
+        bufs, reads = self._set
+        self._set = None
+        for f in reads.values():
+            f.exception()   # wait: the buffers must be idle before they go back to the pool
+        self.staging.release(bufs)
+
+    def _wait_writes(self) -> None:
+        writes, self._writes = self._writes, []
+        for f in writes:
+            f.result()   # DiskIOError names the file and the operation
+
+    def flush(self) -> None:
+        """Wait for this layer's write-backs (raising a failed one) and drop read-ahead state."""
+        self.cancel_prefetch()
+        self._wait_writes()
+
+    def _staged(self, what: str) -> torch.Tensor:
+        self.prefetch()   # no-op when already read ahead
+        bufs, reads = self._set
+        s = self.trace.now()
+        reads[what].result()
+        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.nbytes32, "nvme")
+        return typed(bufs[OPT_KEYS.index(what)], self.dtype, self.numel)
+
+    def _write_back_staged(self) -> None:
+        """Write the staged set back asynchronously; it returns to the pool when all writes land."""
+        bufs, _ = self._set
+        self._set = None
+        s = self.trace.now()
+        futs = [self.nvme.write_from(self._key(w), b) for w, b in zip(OPT_KEYS, bufs)]
+        left, lock, staging, trace = [len(futs)], threading.Lock(), self.staging, self.trace
+
+        def landed(_f: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.nbytes32, "nvme")
+                staging.release(bufs)
+
+        for f in futs:
+            f.add_done_callback(landed)
+        self._writes = futs
+
     # ---- tensors, materialised on host (read from NVMe when that is their tier) ---------
     def _load(self, what: str, tier: str) -> torch.Tensor:
         if tier == "host":
             return typed(self.host.get(self._key(what)), self.dtype, self.numel)
+        if what in OPT_KEYS:
+            self.flush()   # read what the last write-back wrote; read-ahead copies may go stale
         buf = staging_buffer(self.nbytes32)
         self._staging[what] = buf
         s = self.trace.now()
@@ -86,6 +159,8 @@ class LayerTrainState:
         """A tensor to overwrite entirely (no read from NVMe needed)."""
         if tier == "host":
             return typed(self.host.get(self._key(what)), self.dtype, self.numel)
+        if what in OPT_KEYS:
+            self.flush()
         buf = staging_buffer(self.nbytes32)
         self._staging[what] = buf
         return typed(buf, self.dtype, self.numel)
@@ -178,7 +253,8 @@ class LayerTrainState:
         if clip_scale is not None and float(clip_scale) != 1.0:
             # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly)
             torch._foreach_mul_(grads, clip_scale) if direct is not None else grad.mul_(clip_scale)
-        master = self._load("master", self.optimizer_tier)
+        staged = self.staging is not None
+        master = self._staged("master") if staged else self._load("master", self.optimizer_tier)
         if opt8 is not None:
             p = opt8.param_groups[0]["params"][0]
             p.data = master
@@ -187,8 +263,8 @@ class LayerTrainState:
             opt8.step_params([p], clip_scale=1.0)   # grads were scaled above
             p.grad = None
         else:
-            m = self._load("exp_avg", self.optimizer_tier)
-            v = self._load("exp_avg_sq", self.optimizer_tier)
+            m = self._staged("exp_avg") if staged else self._load("exp_avg", self.optimizer_tier)
+            v = self._staged("exp_avg_sq") if staged else self._load("exp_avg_sq", self.optimizer_tier)
             # Per-tensor views, so every element sees exactly the arithmetic torch.optim.AdamW
             # applies to the model's own parameters (the fused kernel's vector/scalar split
             # depends on each tensor's length).
@@ -199,11 +275,15 @@ class LayerTrainState:
                    fused=fused, foreach=None if fused else False, amsgrad=False,
                    beta1=hp["betas"][0], beta2=hp["betas"][1], lr=hp["lr"],
                    weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False)
-            self._save("exp_avg", self.optimizer_tier, m)
-            self._save("exp_avg_sq", self.optimizer_tier, v)
-        self._save("master", self.optimizer_tier, master)
+            if not staged:
+                self._save("exp_avg", self.optimizer_tier, m)
+                self._save("exp_avg_sq", self.optimizer_tier, v)
+        if not staged:
+            self._save("master", self.optimizer_tier, master)
         self._staging.pop("grad", None)   # read-only here: an NVMe-tier grad buffer is done with
         write_params(master)
+        if staged:
+            self._write_back_staged()   # after the publish: it reads the master buffer too
         self.has_grad = False
         self.trace.add("optimizer", self.name, s, self.trace.now(), self.nbytes32 * 4, "host")
 

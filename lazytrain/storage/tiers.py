@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -137,3 +138,42 @@ def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
 def staging_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An aligned host buffer usable for O_DIRECT transfers of `nbytes` (rounded up)."""
     return aligned_empty(round_up(max(nbytes, 1)), pin=pin)
+
+
+class StagingSets:
+    """A bounded pool of host staging buffers for NVMe-tier optimizer state, in sets of `width`.
+
+    One set holds one layer's master and moments while they are read ahead, updated and written
+    back. `count` sets bound the host bytes (the planner counts `count` x the largest layer's
+    optimizer bytes); `acquire` blocks until a set is free, i.e. until an earlier layer's write-back
+    finished: back-pressure instead of unbounded staging. Buffers are allocated once, at the
+    largest size asked for, and reused (fresh allocations page-fault at a fraction of copy speed).
+    """
+
+    def __init__(self, count: int, width: int = 3) -> None:
+        if count < 1:
+            raise ValueError(f"StagingSets: count must be >= 1, got {count}")
+        self.count, self.width = count, width
+        self._free: list[list[torch.Tensor]] = []
+        self._made = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, nbytes: int) -> list[torch.Tensor]:
+        with self._cv:
+            while True:
+                for k, bufs in enumerate(self._free):
+                    if bufs[0].numel() >= nbytes:
+                        return self._free.pop(k)
+                if self._made < self.count:
+                    self._made += 1
+                    break
+                if self._free:   # a free set that is too small: replace it by a larger one
+                    self._free.pop()
+                    break
+                self._cv.wait()
+        return [staging_buffer(nbytes) for _ in range(self.width)]
+
+    def release(self, bufs: list[torch.Tensor]) -> None:
+        with self._cv:
+            self._free.append(bufs)
+            self._cv.notify_all()

@@ -318,3 +318,52 @@ def test_streaming_buffers_stay_within_the_planned_reserve(tmp_path, depth):
     ex.close()
     assert max(peaks) <= depth * max(sizes)
     assert max(peaks) >= min(depth, 2) * min(sizes)   # streaming did happen
+
+
+def test_staging_sets_bound_and_reuse_buffers():
+    import threading
+
+    from lazytrain.storage.tiers import StagingSets
+
+    pool = StagingSets(2)
+    a, b = pool.acquire(5000), pool.acquire(3000)
+    assert len(a) == 3 and all(t.numel() >= 5000 for t in a) and all(t.numel() >= 3000 for t in b)
+    got = []
+    th = threading.Thread(target=lambda: got.append(pool.acquire(4000)))
+    th.start()
+    th.join(0.2)
+    assert th.is_alive() and not got            # both sets out: the third acquire waits
+    pool.release(a)
+    th.join(5)
+    assert got and got[0] is a                  # ...and gets the released set, not a new one
+    pool.release(b)
+    big = pool.acquire(10_000)                  # only a too-small set is free: replaced
+    assert all(t.numel() >= 10_000 for t in big)
+
+
+def test_nvme_state_write_back_failure_is_raised_with_the_file(tmp_path):
+    """Optimizer state on NVMe is written back asynchronously; a failed write must not pass silently."""
+    from concurrent.futures import Future
+
+    from lazytrain.storage.aligned_io import DiskIOError
+
+    model = tiny_model("llama")
+    plan = hand_plan(3, param_tier="nvme", optimizer_tier="nvme")
+    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", nvme_dir=tmp_path, lr=1e-3)
+    ex.train_step(random_batches(1, seed=0))
+    real_write = ex.nvme.pool.write
+
+    def failing_write(f, buf, offset):
+        if "exp_avg_sq" not in f.path.name:
+            return real_write(f, buf, offset)
+        fut = Future()
+        fut.set_exception(DiskIOError(28, f"write {f.path}: No space left on device"))
+        return fut
+
+    ex.nvme.pool.write = failing_write
+    ex.train_step(random_batches(1, seed=1))      # the failing write-backs are in flight here
+    with pytest.raises(DiskIOError, match=r"exp_avg_sq.*No space left"):
+        ex.train_step(random_batches(1, seed=2))  # reading that state again surfaces the error
+    ex.nvme.pool.write = real_write
+    with pytest.raises(DiskIOError):
+        ex.close()                                # and so does close, for the other layers
