@@ -1,7 +1,9 @@
 """Atomic training checkpoints: tensors as safetensors, everything else as JSON.
 
 Layout under `<output_dir>/checkpoints/`:
-    step_000050/engine.safetensors   engine state (master weights / adapters + optimizer state)
+    step_000050/engine.safetensors   engine state (master weights / adapters + optimizer state), or
+    step_000050/engine-00000.safetensors ...  the same in shards (one per layer) when the engine
+                                     streams its state: only one layer's state is in RAM at a time
     step_000050/rng.safetensors      torch CPU (and CUDA) generator states
     step_000050/state.json           step, data position, python RNG, scheduler inputs, metadata
     latest                           text file naming the newest complete checkpoint dir
@@ -79,8 +81,46 @@ def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) ->
 
 
 def _contiguous(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses views/shared storage; clone what is not a standalone contiguous tensor.
-    return {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
+    # safetensors refuses views/shared storage: clone only what is not a standalone contiguous tensor
+    # (a state dict is already a copy; cloning it all again would double the checkpoint's RAM).
+    out = {}
+    for k, v in sd.items():
+        v = v.detach().cpu()
+        whole = (v.is_contiguous() and v.storage_offset() == 0
+                 and v.untyped_storage().nbytes() == v.numel() * v.element_size())
+        out[k] = v if whole else v.contiguous().clone()
+    return out
+
+
+class ShardedTensors(Mapping):
+    """A read-only mapping over a checkpoint's engine-*.safetensors shards that loads each tensor
+    on access (memory-mapped), so resuming holds one tensor at a time, not the whole state."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, Path] = {}
+        self._open: dict[Path, Any] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise DiskIOError(0, f"read checkpoint shard {f}: {e}") from e
+            self._open[f] = h
+            for k in h.keys():
+                self._where[k] = f
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._open[self._where[key]].get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:   # without loading the tensor
+        return key in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
@@ -89,9 +129,10 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
                     keep_last: int = 2) -> Path:
     """Write checkpoint `step` atomically; returns its directory.
 
-    `engine_tensors` (a flat tensor dict) is saved as engine.safetensors; or `engine_writer(dir)`
-    writes an engine's own files into `dir` (DeepSpeed). Older checkpoints beyond `keep_last` are
-    removed after the new one is in place.
+    `engine_tensors` (a flat tensor dict) is saved as engine.safetensors; an iterator of such dicts
+    as engine-00000.safetensors, ..., each written as it comes; or `engine_writer(dir)` writes an
+    engine's own files into `dir` (DeepSpeed). Older checkpoints beyond `keep_last` are removed
+    after the new one is in place.
     """
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
@@ -100,8 +141,11 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
-        if engine_tensors is not None:
+        if isinstance(engine_tensors, Mapping):
             save_file(_contiguous(engine_tensors), str(tmp / "engine.safetensors"))
+        elif engine_tensors is not None:
+            for k, shard in enumerate(engine_tensors):
+                save_file(_contiguous(shard), str(tmp / f"engine-{k:05d}.safetensors"))
         if engine_writer is not None:
             (tmp / "engine").mkdir()
             engine_writer(tmp / "engine")
@@ -146,9 +190,12 @@ def read_state(ckpt_dir: Path) -> dict[str, Any]:
     return json.loads((ckpt_dir / "state.json").read_text())
 
 
-def load_checkpoint(ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+def load_checkpoint(ckpt_dir: Path) -> tuple[dict[str, Any], Mapping[str, torch.Tensor] | None]:
     """(state json, engine tensors or None); restores the global RNG states."""
     state = json.loads((ckpt_dir / "state.json").read_text())
     set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), state["rng"])
     eng = ckpt_dir / "engine.safetensors"
-    return state, (load_file(str(eng)) if eng.is_file() else None)
+    if eng.is_file():
+        return state, load_file(str(eng))
+    shards = sorted(ckpt_dir.glob("engine-*.safetensors"))
+    return state, (ShardedTensors(shards) if shards else None)

@@ -191,7 +191,10 @@ class StreamingEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.ex.state_dict()
 
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def state_shards(self):
+        return self.ex.state_shards()
+
+    def load_state_dict(self, sd) -> None:
         self.ex.load_state_dict(sd)
 
     def sync_model(self) -> None:

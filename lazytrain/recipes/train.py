@@ -348,7 +348,8 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
                                  engine_writer=lambda d: engine.save(d, {"step": step_done}),
                                  keep_last=int(cfg.keep_checkpoints))
         else:
-            ckpt.save_checkpoint(ckpt_root, step_done, state, engine_tensors=engine.state_dict(),
+            tensors = engine.state_shards() if hasattr(engine, "state_shards") else engine.state_dict()
+            ckpt.save_checkpoint(ckpt_root, step_done, state, engine_tensors=tensors,
                                  keep_last=int(cfg.keep_checkpoints))
 
     try:

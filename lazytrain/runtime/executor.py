@@ -40,7 +40,7 @@ from ..storage.tiers import HostStore, NvmeStore, StagingSets, check_nvme_dir
 from .accountant import MemoryAccountant
 from .activations import ActivationStore
 from .layer_state import LayerTrainState, clip_scale_for, total_norm
-from .state import executor_state_dict, load_executor_state_dict
+from .state import executor_state_dict, executor_state_shards, load_executor_state_dict
 from .streamer import ParamStreamer, StreamedLayer, use_sequence
 from .trace import Trace
 
@@ -780,7 +780,12 @@ class StreamingExecutor:
         """Master weights, optimizer state and step; tensors only (safetensors-able)."""
         return executor_state_dict(self)
 
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def state_shards(self):
+        """`state_dict()` one layer at a time (an iterator of flat tensor dicts)."""
+        return executor_state_shards(self)
+
+    def load_state_dict(self, sd) -> None:
+        """From a flat tensor dict, or any mapping that loads tensors on access (one at a time)."""
         load_executor_state_dict(self, sd)
 
     def close(self) -> None:

@@ -3,7 +3,7 @@ master weights, AdamW moments and step; LoRA adapters and their optimizer state;
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import torch
 
@@ -13,21 +13,34 @@ if TYPE_CHECKING:
 
 def executor_state_dict(ex: "StreamingExecutor") -> dict[str, torch.Tensor]:
     """Master weights, optimizer state and step of `ex`; tensors only (safetensors-able)."""
+    sd: dict[str, torch.Tensor] = {}
+    for shard in executor_state_shards(ex):
+        sd.update(shard)
+    return sd
+
+
+def executor_state_shards(ex: "StreamingExecutor") -> Iterator[dict[str, torch.Tensor]]:
+    """The same state, one layer at a time (then adapters and the step): a checkpoint writer that
+    saves each shard as it comes holds one layer's state in RAM, not the whole model's (which may
+    live on NVMe)."""
     ex.wait()
-    sd: dict[str, torch.Tensor] = {"meta.step": torch.tensor(ex.step_count, dtype=torch.int64)}
     for st in ex.states:
         if st is None:
             continue
+        sd: dict[str, torch.Tensor] = {}
         if ex.opt8 is not None:  # 8-bit: master weights here, codes + absmax + step from AdamW8bit
             sd[f"layer.{st.name}.master"] = st.load_tensor("master")
             osd = ex.opt8[st.name].state_dict()
             for k, v in next(iter(osd["state"].values()), {}).items():
                 sd[f"layer8.{st.name}.{k}"] = v.detach().cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
             sd[f"layer8.{st.name}.skipped_steps"] = torch.tensor(osd["lazytrain"]["skipped_steps"])
+            yield sd
             continue
         for what in ("master", "exp_avg", "exp_avg_sq"):
             sd[f"layer.{st.name}.{what}"] = st.load_tensor(what)
         sd[f"layer.{st.name}.step"] = st.step.clone()
+        yield sd
+    sd = {"meta.step": torch.tensor(ex.step_count, dtype=torch.int64)}
     if ex.adapter_opt is not None:
         for p in ex.adapter_params:
             name = ex.param_names[id(p)]
@@ -35,9 +48,9 @@ def executor_state_dict(ex: "StreamingExecutor") -> dict[str, torch.Tensor]:
             state = ex.adapter_opt.state.get(p, {})
             for k, v in state.items():
                 sd[f"adapter_state.{name}.{k}"] = v.detach().cpu().clone()
-    return sd
+    yield sd
 
-def load_executor_state_dict(ex: "StreamingExecutor", sd: dict[str, torch.Tensor]) -> None:
+def load_executor_state_dict(ex: "StreamingExecutor", sd: Mapping[str, torch.Tensor]) -> None:
     ex.wait()
     ex.streamer.invalidate()
     ex.step_count = int(sd["meta.step"])
@@ -69,14 +82,14 @@ def load_executor_state_dict(ex: "StreamingExecutor", sd: dict[str, torch.Tensor
 
 
 
-def _load_8bit_layer(ex: "StreamingExecutor", i: int, st, sd: dict[str, torch.Tensor]) -> None:
+def _load_8bit_layer(ex: "StreamingExecutor", i: int, st, sd: Mapping[str, torch.Tensor]) -> None:
     key = f"layer.{st.name}.master"
     if key not in sd:
         raise KeyError(f"state dict has no {key} (saved from a different model or plan?)")
     st.store_tensor("master", sd[key])
     opt = ex.opt8[st.name]
     prefix = f"layer8.{st.name}."
-    saved = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    saved = {k[len(prefix):]: sd[k] for k in sd if k.startswith(prefix)}  # keys only: sd may be lazy
     if "step" not in saved:
         raise KeyError(f"state dict has no 8-bit optimizer state for {st.name} (saved with optimizer=adamw?)")
     osd = opt.state_dict()

@@ -45,6 +45,21 @@ def test_resume_equals_uninterrupted(base_overrides, tmp_path, engine, mode):
     if engine == "lazytrain":
         plan = json.loads((a / "plan.json").read_text())
         assert any(d["param_tier"] != "device" for d in plan["layers"])  # it really streams
+        # the executor's state is written one layer per shard (RAM holds one layer's state)
+        last = ckpt.latest_checkpoint(b / "checkpoints")
+        shards = sorted(p.name for p in last.glob("engine-*.safetensors"))
+        assert not (last / "engine.safetensors").exists()
+        assert len(shards) == (1 if mode == "lora" else len(plan["layers"]) + 1)
+
+
+def test_corrupt_checkpoint_shard_is_detected(base_overrides, tmp_path):
+    ov = [*base_overrides, "job.max_steps=2", "save_every=0", "engine=lazytrain", *SMALL_BUDGET]
+    _run(ov, tmp_path / "a")
+    last = ckpt.latest_checkpoint(tmp_path / "a" / "checkpoints")
+    shard = sorted(last.glob("engine-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])   # truncated
+    with pytest.raises(OSError, match=shard.name):
+        ckpt.load_checkpoint(last)
 
 
 def test_resume_without_checkpoint_starts_fresh(base_overrides, tmp_path):
