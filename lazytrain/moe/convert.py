@@ -121,12 +121,13 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
                          f"e.g. {', '.join(missing[:3])}")
 
     writer = StoreWriter(out_dir, hf_config)
-    for ml in layers:
-        writer.write_layer(ml, _expert_reader(ml, fused, split, src))
-    tensors = {}
-    for name, (shard, key) in non_expert.items():
-        with safe_open(str(shard), "pt") as f:
-            tensors[name] = f.get_tensor(key)
+    files = _OpenShards()   # each shard's header is parsed once, not once per tensor
+    try:
+        for ml in layers:
+            writer.write_layer(ml, _expert_reader(ml, fused, split, src, files))
+        tensors = {name: files[shard].get_tensor(key) for name, (shard, key) in non_expert.items()}
+    finally:
+        files.clear()       # unmap the source shards
     writer.write_non_expert(tensors)
     _copy_tokenizer(src, writer.dir)
     return writer.close()
@@ -141,16 +142,23 @@ def _expert_dtype(fused: dict, split: dict) -> torch.dtype | None:
     return None
 
 
-def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path):
-    from safetensors import safe_open
+class _OpenShards(dict):
+    """Path -> open safetensors handle, opened on first use and kept for the conversion."""
 
+    def __missing__(self, shard: Path):
+        from safetensors import safe_open
+
+        f = self[shard] = safe_open(str(shard), "pt")
+        return f
+
+
+def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path, files: _OpenShards):
     def read(e: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for t in ml.tensors:
             if (ml.experts_name, t.name) in fused:
                 shard, key = fused[(ml.experts_name, t.name)]
-                with safe_open(str(shard), "pt") as f:
-                    out[t.name] = f.get_slice(key)[e]          # reads only expert e's rows
+                out[t.name] = files[shard].get_slice(key)[e]   # reads only expert e's rows
                 continue
             roles = {"gate_up_proj": (_GATE, _UP), "down_proj": (_DOWN,), "up_proj": (_UP,)}.get(t.name)
             parts = []
@@ -159,8 +167,7 @@ def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path):
                             if (ml.experts_name, e, n) in split), None)
                 if hit is None:
                     break
-                with safe_open(str(hit[0]), "pt") as f:
-                    parts.append(f.get_tensor(hit[1]))
+                parts.append(files[hit[0]].get_tensor(hit[1]))
             if roles is None or len(parts) != len(roles):
                 raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
                                  "(neither fused nor per-expert keys found)")

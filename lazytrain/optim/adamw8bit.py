@@ -31,7 +31,6 @@ for CPUs without a compiler and CUDA setups where compiling fails.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -47,15 +46,7 @@ STATE_FORMAT = "lazytrain-adamw8bit-v1"
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-_LOG = logging.getLogger(__name__)
 _f32 = kernel_torch.f32
-_COMPILE_FAILED: str | None = None  # why the compiled kernel failed once (then eager for the process)
-
-
-def _compile_failed(exc: Exception) -> None:
-    global _COMPILE_FAILED
-    _COMPILE_FAILED = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-    _LOG.warning("lazytrain.optim: the compiled 8-bit kernel failed (%s); using the eager one", _COMPILE_FAILED)
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -127,8 +118,6 @@ class AdamW8bit(torch.optim.Optimizer):
     def _compiled_on(self, device: torch.device) -> kernel_compiled.DeviceTables | None:
         """Tables for the compiled kernel when it serves ``device`` (None: use the eager one)."""
         if not (self.backend == "compile" or (self.backend == "auto" and device.type == "cuda")):
-            return None
-        if _COMPILE_FAILED is not None and self.backend == "auto":
             return None
         if device not in self._compiled_tables:
             self._compiled_tables[device] = kernel_compiled.DeviceTables(self._tables_on(device), device)
@@ -294,14 +283,7 @@ class AdamW8bit(torch.optim.Optimizer):
             if is8bit:
                 args = (w, g, s["qm"], s["qv"], s["absmax_m"], s["absmax_v"], h, clip, self.block_size)
             if compiled is not None:
-                try:
-                    kernel_compiled.adam8bit_update_(*args, compiled)
-                except Exception as exc:  # noqa: BLE001 - inductor/Triton missing or failing
-                    if self.backend == "compile":
-                        raise
-                    _compile_failed(exc)
-                    compiled = None
-                    kernel_torch.adam8bit_update_(*args, tables)
+                kernel_compiled.adam8bit_update_(*args, compiled, tables, strict=self.backend == "compile")
             elif is8bit:
                 kernel_torch.adam8bit_update_(*args, tables)
             else:

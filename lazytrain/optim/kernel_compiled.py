@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from lazytrain.optim import qmap
+from lazytrain.optim import kernel_torch, qmap
 from lazytrain.optim.kernel_torch import HYPER_FIELDS, Tables, grad_coefs
 
 _LOG = logging.getLogger(__name__)
@@ -92,6 +92,14 @@ class DeviceTables:
         self.exp_lo_v = int(tables.v.exp_lo)
 
 
+def failed() -> str | None:
+    """Why compiling failed in this process (then every update runs eagerly), or None."""
+    return _failed
+
+
+_failed: str | None = None
+
+
 def adam8bit_update_(
     weight: torch.Tensor,
     grad: torch.Tensor,
@@ -103,24 +111,43 @@ def adam8bit_update_(
     clip: float,
     block_size: int,
     tables: DeviceTables,
+    eager_tables: Tables,
+    strict: bool = False,
 ) -> None:
-    """kernel_torch.adam8bit_update_ through the compiled segment (full blocks, then the tail)."""
+    """kernel_torch.adam8bit_update_ through the compiled segment (full blocks, then the tail).
+
+    A segment whose graph fails to compile runs eagerly instead (a compile error happens before
+    the graph touches any tensor, so nothing is applied twice) and later calls skip compiling;
+    ``strict`` raises instead. Out-of-memory errors are raised as they are.
+    """
+    global _failed
     device = weight.device
     hv = torch.tensor([h[k] for k in HYPER_FIELDS], dtype=torch.float32).to(device, non_blocking=True)
     coef = torch.tensor(grad_coefs(clip, h), dtype=torch.float32).to(device, non_blocking=True)
-    seg = compiled_segment()
     numel = weight.numel()
     full = numel // block_size
     cut = full * block_size
     fixed = (hv, coef, tables.code_s, tables.code_u, tables.tab_m, tables.tab_v, tables.exp_lo_m, tables.exp_lo_v)
-    if full:
-        seg(
-            weight[:cut].view(full, block_size), grad[:cut].view(full, block_size),
-            qm[:cut].view(full, block_size), qv[:cut].view(full, block_size),
-            am[:full], av[:full], *fixed,
-        )  # fmt: skip
-    if cut < numel:
-        seg(
-            weight[cut:].view(1, -1), grad[cut:].view(1, -1), qm[cut:].view(1, -1), qv[cut:].view(1, -1),
-            am[full:], av[full:], *fixed,
-        )  # fmt: skip
+    def segments():
+        # Views made just before their segment runs: a view made before the graph updated its
+        # base in place is refused by dynamo.
+        if full:
+            yield (weight[:cut].view(full, block_size), grad[:cut].view(full, block_size),
+                   qm[:cut].view(full, block_size), qv[:cut].view(full, block_size), am[:full], av[:full])
+        if cut < numel:
+            yield (weight[cut:].view(1, -1), grad[cut:].view(1, -1), qm[cut:].view(1, -1),
+                   qv[cut:].view(1, -1), am[full:], av[full:])
+
+    for seg in segments():
+        if _failed is None or strict:
+            try:
+                compiled_segment()(*seg, *fixed)
+                continue
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - inductor / Triton missing or failing
+                if strict:
+                    raise
+                _failed = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+                _LOG.warning("lazytrain.optim: the compiled 8-bit kernel failed (%s); using the eager one", _failed)
+        kernel_torch._segment(*seg, h, clip, eager_tables)

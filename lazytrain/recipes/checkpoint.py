@@ -163,6 +163,9 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
             raise
         raise DiskIOError(e.errno, f"write checkpoint {tmp} ({e.strerror}); the last checkpoint "
                                    f"is intact") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # e.g. the engine failed while streaming its state
+        raise
     atomic_write_text(ckpt_root / LATEST, final.name + "\n")
     _prune(ckpt_root, keep_last)
     return final

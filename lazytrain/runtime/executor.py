@@ -277,6 +277,7 @@ class StreamingExecutor:
         self.opt8 = None
         staging = (StagingSets(NVME_STATE_SETS) if any(
             t and d.optimizer_tier == "nvme" for t, d in zip(self.trainable, self.decisions)) else None)
+        self.state_io = IOPool(workers=2) if staging is not None else None
         for lay, d in zip(self.layers, self.decisions):
             st = None
             if self.trainable[lay.index]:
@@ -285,7 +286,8 @@ class StreamingExecutor:
                                      d.grad_tier, d.optimizer_tier, self.host, self.nvme, self.trace,
                                      master_alias=self.streamer.key(lay)
                                      if (self.master_dtype == lay.layout.dtype and d.param_tier == "host"
-                                         and d.optimizer_tier == "host") else None, staging=staging)
+                                         and d.optimizer_tier == "host") else None,
+                                     staging=staging, state_io=self.state_io)
                 st.init_master(lay.extra["init_values"])
                 st.track_norms = self.max_grad_norm is not None
             self.states.append(st)
@@ -644,7 +646,10 @@ class StreamingExecutor:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         n = len(micro_batches)
-        self._prefetch_states()   # read while this step computes
+        if self._staged_order:
+            # read while this step computes; queued behind the last step's updates (the staging
+            # state belongs to the optimizer thread)
+            self._pending.append(self.opt_pool.submit(self._prefetch_states))
         losses, auxes, tokens = [], [], 0
         for k, (ids, labels) in enumerate(micro_batches):
             if ids.dim() != 2 or ids.shape != labels.shape:
@@ -677,7 +682,7 @@ class StreamingExecutor:
                 for st in self.states:
                     if st is not None:
                         st.has_grad = False
-                        st.cancel_prefetch()
+                        self.opt_pool.submit(st.cancel_prefetch).result()
         else:
             scale = None
         if not skipped:
@@ -799,6 +804,8 @@ class StreamingExecutor:
             self.acts.close()
             self.opt_pool.shutdown(wait=True)
             self.pool.shutdown()
+            if getattr(self, "state_io", None) is not None:
+                self.state_io.shutdown()
             if self.nvme is not None:
                 self.nvme.close()
             if self.nvme_root is not None:   # our own subdirectory of nvme_dir: scratch only

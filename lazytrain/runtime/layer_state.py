@@ -21,6 +21,7 @@ from concurrent.futures import Future
 import torch
 from torch.optim.adamw import adamw as _adamw
 
+from ..storage.aligned_io import IOPool
 from ..storage.flat import FlatLayout, typed
 from ..storage.tiers import HostStore, NvmeStore, StagingSets, staging_buffer
 from .trace import Trace
@@ -34,7 +35,8 @@ class LayerTrainState:
 
     def __init__(self, name: str, layout: FlatLayout, grad_tier: str, optimizer_tier: str,
                  host: HostStore, nvme: NvmeStore | None, trace: Trace,
-                 master_alias: str | None = None, staging: StagingSets | None = None) -> None:
+                 master_alias: str | None = None, staging: StagingSets | None = None,
+                 state_io: IOPool | None = None) -> None:
         """`layout.dtype` is the master dtype: fp32 (default), or bf16 for pure-bf16 training
         (master, moments and gradient accumulator all bf16, as torch's AdamW on bf16 params)."""
         self.name, self.layout = name, layout
@@ -52,6 +54,9 @@ class LayerTrainState:
         self._direct: list[torch.Tensor] | None = None  # this step's grads, used where they are
         # NVMe-tier optimizer state through staging sets (None: synchronous, fresh buffers)
         self.staging = staging if optimizer_tier == "nvme" else None
+        # Its own I/O workers: the streamer's fetch jobs block pool workers while they wait, and
+        # the optimizer thread waiting behind them on this state could deadlock.
+        self.state_io = state_io
         self._set: tuple[list[torch.Tensor], dict[str, Future]] | None = None  # read ahead
         self._writes: list[Future] = []   # write-backs of the last update still landing
         for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
@@ -83,7 +88,15 @@ class LayerTrainState:
             return
         self._wait_writes()
         bufs = self.staging.acquire(self.nbytes32)
-        reads = {w: self.nvme.read_into(self._key(w), b) for w, b in zip(OPT_KEYS, bufs)}
+        reads: dict[str, Future] = {}
+        try:
+            for w, b in zip(OPT_KEYS, bufs):
+                reads[w] = self.nvme.read_into(self._key(w), b, self.state_io)
+        except BaseException:
+            for f in reads.values():
+                f.exception()
+            self.staging.release(bufs)
+            raise
         self._set = (bufs, reads)
 
     def cancel_prefetch(self) -> None:
@@ -117,9 +130,8 @@ class LayerTrainState:
     def _write_back_staged(self) -> None:
         """Write the staged set back asynchronously; it returns to the pool when all writes land."""
         bufs, _ = self._set
-        self._set = None
         s = self.trace.now()
-        futs = [self.nvme.write_from(self._key(w), b) for w, b in zip(OPT_KEYS, bufs)]
+        futs = [self.nvme.write_from(self._key(w), b, self.state_io) for w, b in zip(OPT_KEYS, bufs)]
         left, lock, staging, trace = [len(futs)], threading.Lock(), self.staging, self.trace
 
         def landed(_f: Future) -> None:
@@ -130,9 +142,10 @@ class LayerTrainState:
                 trace.add("nvme_write", self.name, s, trace.now(), 3 * self.nbytes32, "nvme")
                 staging.release(bufs)
 
+        self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them
+        self._set = None
         for f in futs:
             f.add_done_callback(landed)
-        self._writes = futs
 
     # ---- tensors, materialised on host (read from NVMe when that is their tier) ---------
     def _load(self, what: str, tier: str) -> torch.Tensor:
@@ -247,13 +260,21 @@ class LayerTrainState:
     def update(self, hp: dict, clip_scale: torch.Tensor | None, write_params, opt8=None) -> None:
         """AdamW on this layer's fp32 master, then `write_params(master_fp32)` publishes weights."""
         s = self.trace.now()
+        staged = self.staging is not None
+        try:
+            self._update(hp, clip_scale, write_params, opt8, staged, s)
+        except BaseException:
+            if staged:
+                self.cancel_prefetch()   # its buffers may be half-updated: never write them back
+            raise
+
+    def _update(self, hp: dict, clip_scale, write_params, opt8, staged: bool, s: float) -> None:
         direct, self._direct = self._direct, None
         grad = self._load("grad", self.grad_tier) if direct is None else None
         grads = direct if direct is not None else self.layout.views(grad)
         if clip_scale is not None and float(clip_scale) != 1.0:
             # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly)
             torch._foreach_mul_(grads, clip_scale) if direct is not None else grad.mul_(clip_scale)
-        staged = self.staging is not None
         master = self._staged("master") if staged else self._load("master", self.optimizer_tier)
         if opt8 is not None:
             p = opt8.param_groups[0]["params"][0]

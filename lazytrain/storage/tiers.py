@@ -89,11 +89,11 @@ class NvmeStore:
         self.files[key] = DirectFile(path, "w", direct=self.direct, size_bytes=size)
         self.sizes[key] = size
 
-    def read_into(self, key: str, buf: torch.Tensor) -> Future:
-        return self.pool.read(self.files[key], buf[:self.sizes[key]], 0)
+    def read_into(self, key: str, buf: torch.Tensor, pool: IOPool | None = None) -> Future:
+        return (pool or self.pool).read(self.files[key], buf[:self.sizes[key]], 0)
 
-    def write_from(self, key: str, buf: torch.Tensor) -> Future:
-        return self.pool.write(self.files[key], buf[:self.sizes[key]], 0)
+    def write_from(self, key: str, buf: torch.Tensor, pool: IOPool | None = None) -> Future:
+        return (pool or self.pool).write(self.files[key], buf[:self.sizes[key]], 0)
 
     def read_sync(self, key: str, buf: torch.Tensor) -> None:
         self.files[key].read_into(buf[:self.sizes[key]], 0)
