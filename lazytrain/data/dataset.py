@@ -69,20 +69,28 @@ def expand_files(files: Sequence[str | Path]) -> list[Path]:
     return out
 
 
+def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
+    """The values of `fields` (field -> the config key that names it) in each row of a JSONL file;
+    a null value reads as empty text."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            for field, key in fields.items():
+                if not isinstance(obj, dict) or field not in obj:
+                    raise DataError(f"{path}:{lineno}: no {field!r} field (set {key})")
+            yield tuple("" if obj[field] is None else str(obj[field]) for field in fields)
+
+
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """Documents of one file: a text file is one document; JSONL gives one per line (`text_field`)."""
     if path.suffix in JSONL_SUFFIXES:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict) or text_field not in obj:
-                    raise DataError(f"{path}:{lineno}: no {text_field!r} field (set data.text_field)")
-                yield str(obj[text_field])
+        for (text,) in _jsonl_rows(path, {text_field: "data.text_field"}):
+            yield text
     else:
         try:
             yield path.read_text(encoding="utf-8")
@@ -95,18 +103,10 @@ def read_pairs(path: Path, prompt_field: str, text_field: str) -> Iterator[tuple
     if path.suffix not in JSONL_SUFFIXES:
         raise DataError(f"{path}: prompt/completion data (data.prompt_field={prompt_field!r}) must be "
                         f"JSONL with {prompt_field!r} and {text_field!r} fields")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            for field, what in ((prompt_field, "data.prompt_field"), (text_field, "data.text_field")):
-                if not isinstance(obj, dict) or field not in obj:
-                    raise DataError(f"{path}:{lineno}: no {field!r} field (set {what})")
-            yield str(obj[prompt_field]), str(obj[text_field])
+    if prompt_field == text_field:
+        raise DataError(f"data.prompt_field and data.text_field are both {text_field!r}; the completion "
+                        f"needs its own field")
+    yield from _jsonl_rows(path, {prompt_field: "data.prompt_field", text_field: "data.text_field"})
 
 
 def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
