@@ -7,6 +7,8 @@ No network, deterministic for a given Python version.
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 
@@ -47,7 +49,7 @@ def build_corpus(out_dir: str | Path, val_fraction: float = 0.05) -> tuple[Path,
         if text:
             (val if i % every == every - 1 else train).append(text)
     for p, docs in ((train_p, train), (val_p, val)):
-        tmp = p.with_suffix(".tmp")
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # ranks may race
         tmp.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
         tmp.replace(p)
     return train_p, val_p

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -261,7 +262,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
         if cache_path is not None:
             from safetensors.torch import save_file
             cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_path.with_suffix(".tmp")
+            tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")  # ranks may race
             save_file(data, str(tmp))
             tmp.replace(cache_path)
     tokens = data["tokens"]

@@ -249,9 +249,12 @@ class DeepSpeedTrainer:
                 sd[k] = masters[k]
         return sd
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """HF dir (full FT) or PEFT adapter dir (LoRA) from the gathered weights, safetensors."""
-        self.model.save_pretrained(str(directory), state_dict=self.full_state_dict())
+    def save_pretrained(self, directory: str | os.PathLike, write: bool = True) -> None:
+        """HF dir (full FT) or PEFT adapter dir (LoRA) from the gathered weights, safetensors.
+        Gathering is collective: under a launcher every rank calls this, one with `write`."""
+        sd = self.full_state_dict()
+        if write:
+            self.model.save_pretrained(str(directory), state_dict=sd)
 
     def close(self) -> None:
         destroy = getattr(self.engine, "destroy", None)

@@ -48,7 +48,7 @@ def fsync_tree(root: Path) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` via a temp file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # unique: several processes may write
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -126,48 +126,69 @@ class ShardedTensors(Mapping):
 def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
                     engine_tensors: Mapping[str, torch.Tensor] | None = None,
                     engine_writer: Callable[[Path], None] | None = None,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = 2, rank: int = 0, world: int = 1,
+                    barrier: Callable[[], None] | None = None) -> Path:
     """Write checkpoint `step` atomically; returns its directory.
 
     `engine_tensors` (a flat tensor dict) is saved as engine.safetensors; an iterator of such dicts
     as engine-00000.safetensors, ..., each written as it comes; or `engine_writer(dir)` writes an
     engine's own files into `dir` (DeepSpeed). Older checkpoints beyond `keep_last` are removed
     after the new one is in place.
+
+    Several processes (`world` > 1, DeepSpeed under a launcher) call this together: rank 0 makes
+    the temp dir, every rank runs `engine_writer` (a collective save) and writes its own RNG state
+    (rng-rank<R>.*), and rank 0 alone renames the dir and moves `latest`; `barrier` orders them.
     """
+    main = rank == 0
+    sync = barrier if (barrier is not None and world > 1) else (lambda: None)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".step_{step:06d}.tmp"
-    if tmp.exists():
+    if main and tmp.exists():
         shutil.rmtree(tmp)
     try:
-        tmp.mkdir()
+        if main:
+            tmp.mkdir()
+            if engine_writer is not None:
+                (tmp / "engine").mkdir()
+        sync()
         if isinstance(engine_tensors, Mapping):
             save_file(_contiguous(engine_tensors), str(tmp / "engine.safetensors"))
         elif engine_tensors is not None:
             for k, shard in enumerate(engine_tensors):
                 save_file(_contiguous(shard), str(tmp / f"engine-{k:05d}.safetensors"))
         if engine_writer is not None:
-            (tmp / "engine").mkdir()
             engine_writer(tmp / "engine")
         rng_t, rng_js = rng_state()
-        save_file(_contiguous(rng_t), str(tmp / "rng.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "rng": rng_js}, indent=1))
-        fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_path(ckpt_root)
+        if main:
+            save_file(_contiguous(rng_t), str(tmp / "rng.safetensors"))
+        else:
+            save_file(_contiguous(rng_t), str(tmp / f"rng-rank{rank}.safetensors"))
+            (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_js))
+        sync()
+        if main:
+            (tmp / "state.json").write_text(json.dumps({**state, "step": step, "rng": rng_js,
+                                                        "world_size": world}, indent=1))
+            fsync_tree(tmp)
+            if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_path(ckpt_root)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, DiskIOError):
             raise
         raise DiskIOError(e.errno, f"write checkpoint {tmp} ({e.strerror}); the last checkpoint "
                                    f"is intact") from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)   # e.g. the engine failed while streaming its state
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)   # e.g. the engine failed while streaming its state
         raise
-    atomic_write_text(ckpt_root / LATEST, final.name + "\n")
-    _prune(ckpt_root, keep_last)
+    if main:
+        atomic_write_text(ckpt_root / LATEST, final.name + "\n")
+        _prune(ckpt_root, keep_last)
+    sync()
     return final
 
 
@@ -193,10 +214,14 @@ def read_state(ckpt_dir: Path) -> dict[str, Any]:
     return json.loads((ckpt_dir / "state.json").read_text())
 
 
-def load_checkpoint(ckpt_dir: Path) -> tuple[dict[str, Any], Mapping[str, torch.Tensor] | None]:
-    """(state json, engine tensors or None); restores the global RNG states."""
+def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[dict[str, Any], Mapping[str, torch.Tensor] | None]:
+    """(state json, engine tensors or None); restores the global RNG states (this rank's)."""
     state = json.loads((ckpt_dir / "state.json").read_text())
-    set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), state["rng"])
+    if rank and (ckpt_dir / f"rng-rank{rank}.safetensors").is_file():
+        set_rng_state(load_file(str(ckpt_dir / f"rng-rank{rank}.safetensors")),
+                      json.loads((ckpt_dir / f"rng-rank{rank}.json").read_text()))
+    else:
+        set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), state["rng"])
     eng = ckpt_dir / "engine.safetensors"
     if eng.is_file():
         return state, load_file(str(eng))

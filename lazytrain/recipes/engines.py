@@ -249,9 +249,10 @@ class DeepSpeedEngine:
     def set_lr(self, lr: float) -> None:
         self.tr.set_lr(lr)
 
-    def save_pretrained(self, d: Path) -> None:
-        """HF dir (full) / PEFT adapter dir (LoRA) gathered from ZeRO-3's partitions."""
-        self.tr.save_pretrained(str(d))
+    def save_pretrained(self, d: Path, write: bool = True) -> None:
+        """HF dir (full) / PEFT adapter dir (LoRA) gathered from ZeRO-3's partitions (a collective:
+        every rank calls it; only those with `write` write files)."""
+        self.tr.save_pretrained(str(d), write=write)
 
     def save(self, d: Path, client_state: dict) -> None:
         self.tr.save_checkpoint(str(d), client_state)

@@ -16,7 +16,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,44 @@ class StorageError(ConfigError):
 
 
 # ================================ setup ==========================================================
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a multi-process launch (`deepspeed --num_gpus N`, `torchrun`):
+    every rank trains its own slice of each step's batch; rank 0 alone writes the outputs."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def sum(self, x: float) -> float:
+        if self.world == 1:
+            return x
+        dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([x], dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(t)
+        return float(t.item())
+
+    def mean(self, x: float) -> float:
+        return self.sum(x) / self.world
+
+
+def ranks_of(cfg: DictConfig) -> Ranks:
+    """From the launcher's environment (WORLD_SIZE / RANK); one process without a launcher."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    rank = int(os.environ.get("RANK") or 0)
+    if world > 1 and str(cfg.engine) != "deepspeed":
+        raise ConfigError(f"launched as {world} processes (WORLD_SIZE={world}), but engine={cfg.engine} "
+                          f"runs on one device; use engine=deepspeed to train on several GPUs")
+    return Ranks(rank, world)
+
 
 def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
     """(JobSpec, max_steps): `job.max_steps` is the recipe's, the rest is the planner's JobSpec."""
@@ -232,7 +270,7 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
 
 
 def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pre: Preflight,
-                 echo) -> tuple[int, int]:
+                 echo, ranks: Ranks = Ranks()) -> tuple[int, int]:
     """(start_step, data_position): 0, 0 for a fresh run; else restored from the latest checkpoint
     (engine state and global RNG states loaded)."""
     if not cfg.resume:
@@ -242,7 +280,10 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
         echo(f"resume=true: no checkpoint in {ckpt_root}; starting at step 0")
         return 0, 0
     check_resumable(ckpt.read_state(last), cfg, ds, pre)
-    state, tensors = ckpt.load_checkpoint(last)
+    state, tensors = ckpt.load_checkpoint(last, rank=ranks.rank)
+    if int(state.get("world_size", 1)) != ranks.world:
+        raise ConfigError(f"cannot resume: {last} was written by {state.get('world_size', 1)} processes, "
+                          f"this run has {ranks.world}; the data order per step would differ")
     if isinstance(engine, DeepSpeedEngine):
         engine.load(last / "engine")
     else:
@@ -308,13 +349,17 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         echo=print) -> dict[str, Any]:
     """Train as configured; returns the run summary (also written to output_dir/summary.json)."""
     # ---- setup --------------------------------------------------------------------------------
+    ranks = ranks_of(cfg)
+    if not ranks.main:
+        echo = _silent
     pre = pre or preflight(cfg)
     out = Path(output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
     echo(plan_summary(pre.plan))
-    (out / "plan.json").write_text(pre.plan.to_json())
+    if ranks.main:
+        (out / "plan.json").write_text(pre.plan.to_json())
 
     seed = int(cfg.seed)
     tokenizer, ds = pre.tokenizer, pre.dataset
@@ -323,7 +368,7 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
 
     ckpt_root = out / "checkpoints"
     try:
-        start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo)
+        start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo, ranks)
     except BaseException:
         engine.close()
         raise
@@ -332,9 +377,9 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     o, job, max_steps = cfg.optim, pre.job, pre.max_steps
     stop_at = int(cfg.stop_at_step) if cfg.get("stop_at_step") else max_steps
     save_every, log_every = int(cfg.save_every), max(1, int(cfg.log_every))
-    metrics = MetricsLog(out, start_step)
-    trace_f = open(out / "trace.jsonl", "a") if cfg.engine != "lazytrain" else None
-    bar = _progress(max_steps, start_step, bool(cfg.progress))
+    metrics = MetricsLog(out, start_step) if ranks.main else _NullMetrics()
+    trace_f = open(out / "trace.jsonl", "a") if cfg.engine != "lazytrain" and ranks.main else None
+    bar = _progress(max_steps, start_step, bool(cfg.progress) and ranks.main)
     history: list[StepStats] = []
     t_run = time.perf_counter()
     step = start_step
@@ -346,7 +391,8 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         if isinstance(engine, DeepSpeedEngine):
             ckpt.save_checkpoint(ckpt_root, step_done, state,
                                  engine_writer=lambda d: engine.save(d, {"step": step_done}),
-                                 keep_last=int(cfg.keep_checkpoints))
+                                 keep_last=int(cfg.keep_checkpoints), rank=ranks.rank, world=ranks.world,
+                                 barrier=ranks.barrier)
         else:
             tensors = engine.state_shards() if hasattr(engine, "state_shards") else engine.state_dict()
             ckpt.save_checkpoint(ckpt_root, step_done, state, engine_tensors=tensors,
@@ -356,9 +402,12 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         while step < min(max_steps, stop_at):
             lr = lr_at(step, float(o.lr), int(o.warmup_steps), max_steps, float(o.min_lr_ratio))
             engine.set_lr(lr)
-            mbs, position = ds.step_batches(position, job.batch_size, job.grad_accum)
+            # one step's micro-batches for all ranks; this rank trains every world-th of them
+            mbs, position = ds.step_batches(position, job.batch_size, job.grad_accum * ranks.world)
             t0 = time.time()
-            st = engine.train_step([(b.input_ids, b.labels) for b in mbs])
+            st = engine.train_step([(b.input_ids, b.labels) for b in mbs[ranks.rank::ranks.world]])
+            if ranks.world > 1:   # what the step did as a whole: the mean loss, all tokens
+                st = replace(st, loss=ranks.mean(st.loss), tokens=int(ranks.sum(st.tokens)))
             step += 1
             history.append(st)
             tps = st.tokens / st.step_time_s if st.step_time_s > 0 else 0.0
@@ -394,7 +443,7 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     if step == max_steps and cfg.save_final_model:
         engine.sync_model()
         final_dir = out / "final"
-        save_final_model(engine, tokenizer, final_dir)
+        save_final_model(engine, tokenizer, final_dir, ranks)
 
     # ---- cleanup ------------------------------------------------------------------------------
     engine.close()
@@ -402,16 +451,43 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
                     "dataset_tokens": ds.num_tokens})
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if ranks.main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
     echo(format_summary(summary))
     return summary
 
 
+def _silent(*_args, **_kwargs) -> None:
+    """`echo` of ranks other than 0."""
+
+
+class _NullMetrics:
+    """MetricsLog of ranks other than 0."""
+
+    def write(self, rec: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 # ================================ save / report ==================================================
 
-def save_final_model(engine, tokenizer, final_dir: Path) -> None:
-    """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename."""
+def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks()) -> None:
+    """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.
+    Under a launcher every rank helps gather the weights; rank 0 writes them."""
     tmp = final_dir.with_name(final_dir.name + ".tmp")
+    if ranks.world > 1:
+        if ranks.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        engine.save_pretrained(tmp, write=ranks.main)   # a collective gather on every rank
+        ranks.barrier()
+        if not ranks.main:
+            return
+        tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp, final_dir)
+        return
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(engine, DeepSpeedEngine):
         engine.save_pretrained(tmp)

@@ -269,3 +269,12 @@ def test_prompt_completion_job_on_both_engines(base_overrides, tmp_path, capsys)
     assert len(losses["torch"]) == 3
     assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
     assert abs(losses["whole"][0] - losses["torch"][0]) > 1e-3
+
+
+def test_multi_process_launch_needs_deepspeed(base_overrides, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "engine=lazytrain", f"output_dir={out}"], capsys)
+    assert rc == 2 and "WORLD_SIZE=2" in io.err and "engine=deepspeed" in io.err
+    assert not (out / "metrics.jsonl").exists()

@@ -23,3 +23,42 @@ def test_deepspeed_engine_resume_and_final(base_overrides, tmp_path):
     assert len(la) == 4 and la == lb
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(a / "final")
+
+
+@pytest.mark.slow  # two DeepSpeed processes (gloo) start, build and train: about a minute
+def test_two_ranks_train_the_single_process_job_and_resume(base_overrides, tmp_path):
+    """`torchrun --nproc_per_node 2 ... engine=deepspeed`: each rank trains half of every step's batch
+    (the same sequences as one process with twice the batch), rank 0 alone writes metrics and
+    checkpoints, and a stopped 2-rank run resumes exactly."""
+    import os
+    import subprocess
+    import sys
+
+    from lazytrain.integrations.deepspeed import check_available
+    msg = check_available()
+    if msg:
+        pytest.skip(msg)
+    common = [a for a in base_overrides if not a.startswith("job.batch_size")] + [
+        "engine=deepspeed", "job.max_steps=3", "save_every=0"]
+    one = tmp_path / "one"
+    run(load_config([*common, "job.batch_size=4", f"output_dir={one}"], config_name="train"), one,
+        echo=lambda *_: None)
+    two = tmp_path / "two"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    for extra in (["stop_at_step=2"], ["resume=true"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "lazytrain.cli.main", "train", *common, "job.batch_size=2", f"output_dir={two}", *extra]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(l) for l in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]          # one writer, resumed once
+    ref = [json.loads(l) for l in (one / "metrics.jsonl").read_text().splitlines()]
+    assert [r["data_position"] for r in recs] == [r["data_position"] for r in ref]
+    assert [r["tokens"] for r in recs] == [r["tokens"] for r in ref]
+    assert recs[0]["loss"] == pytest.approx(ref[0]["loss"], rel=1e-5)   # same sequences, same weights
+    assert [r["loss"] for r in recs] == pytest.approx([r["loss"] for r in ref], rel=1e-3)
+    last = two / "checkpoints" / "step_000003"
+    assert json.loads((last / "state.json").read_text())["world_size"] == 2
+    assert (last / "rng-rank1.safetensors").is_file()
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(two / "final")
