@@ -320,6 +320,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             for r, rate in rates.items():
                 if not (isinstance(ld[r], (int, float)) and ld[r] == 0):
                     prob.addConstraint(T >= (1.0 / rate) * ld[r], f"{prefix}_{r}_{k}")
+            busy = [r for r in ("nvme_read", "nvme_write")
+                    if not (isinstance(ld[r], (int, float)) and ld[r] == 0)]
+            if not hw.nvme_full_duplex and len(busy) == 2:   # one drive: reads and writes take turns
+                prob.addConstraint(T >= (1.0 / rates["nvme_read"]) * ld["nvme_read"]
+                                   + (1.0 / rates["nvme_write"]) * ld["nvme_write"], f"{prefix}_nvme_{k}")
             ts.append(T)
         return ts
 

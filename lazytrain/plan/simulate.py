@@ -193,8 +193,10 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
             for res, kind, layer, what, amount in items:
                 rate = _rate(hw, res)
                 dur = amount / rate if rate else amount
-                start = cursor[res]
-                cursor[res] = start + dur
+                # a half-duplex drive: reads and writes queue on one cursor
+                lane = "nvme" if res.startswith("nvme") and not hw.nvme_full_duplex else res
+                start = cursor[lane]
+                cursor[lane] = start + dur
                 events.append(Event(res, kind, layer, m, start, start + dur,
                                     int(amount) if rate else 0, what))
                 if kind in ("compute_fwd", "compute_bwd"):

@@ -31,6 +31,10 @@ class HardwareSpec:
     workspace_gib: float = 1.0       # CUDA context, allocator slack, kernels' scratch
     host_reserve_gib: float = 4.0    # left to the OS, the Python process, the page cache
     optimizer_overlaps_compute: bool = True  # False when the device *is* the CPU
+    # False: NVMe reads and writes share the drive's time (a read and a write in the same window
+    # take read_s + write_s), what this project's machines measure (concurrent 256 MiB read +
+    # write: 1.8 GB/s together, as if serial); True: they proceed in parallel at full rates.
+    nvme_full_duplex: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
