@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,14 @@ def main() -> None:
     ap.add_argument("--nvme-dir", default=None)
     args = ap.parse_args()
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="lazytrain-nvme-pred-")
+    try:
+        run(args, nvme_dir)
+    finally:
+        if args.nvme_dir is None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, nvme_dir: str) -> None:
     a = argparse.Namespace(hidden=1024, intermediate=2816, layers=12, heads=16, vocab=32000, seq=256,
                            batch=1, nvme_dir=nvme_dir, mem_limit_gib=12.0)
     plan = bvd.make_plan(a, 1, "nvme")
@@ -55,16 +64,18 @@ def main() -> None:
     model = bs.build_model(argparse.Namespace(hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
                                               vocab=a.vocab))
     ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=nvme_dir, lr=1e-4, max_grad_norm=1.0)
-    mbs = bs.batch(1, a.seq, a.vocab)
-    ex.train_step(mbs)
-    ex.wait()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
+    try:
+        mbs = bs.batch(1, a.seq, a.vocab)
         ex.train_step(mbs)
         ex.wait()
-        times.append(time.perf_counter() - t)
-    ex.close()
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            ex.train_step(mbs)
+            ex.wait()
+            times.append(time.perf_counter() - t)
+    finally:
+        ex.close()
     m = statistics.median(times)
     print()
     print(f"{'NVMe-tier plan, 220M Llama':<44}{'step s':>8}{'vs measured':>14}")

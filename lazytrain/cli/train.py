@@ -10,6 +10,8 @@ without Hydra's run machinery, so bad input prints one line and exits 2 with not
 
 from __future__ import annotations
 
+import os
+
 import sys
 
 HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion",
@@ -80,6 +82,11 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
     @hydra.main(config_path=cfg_dir, config_name="train", version_base=None)
     def _task(cfg: DictConfig) -> float | None:
         out = cfg.output_dir or HydraConfig.get().runtime.output_dir
+        if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
+            # Hydra's default run dir is named from each process's clock: ranks could disagree
+            status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "
+                                  "rank sees (a shared filesystem across nodes)")
+            return None
         try:
             s = run(cfg, out, pre=pre)
         except USER_ERRORS as e:

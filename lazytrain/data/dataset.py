@@ -242,7 +242,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
     data = None
     cache_path = None
     if cache_dir is not None:
-        h = hashlib.sha256()
+        h = hashlib.sha256(b"lazytrain-tokens-v2")   # v2: null JSONL fields read as empty text
         for p in paths:
             h.update(p.read_bytes())
         h.update(text_field.encode())

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 
@@ -23,6 +25,16 @@ def build_tokenizer(text_files: list[str | Path], out_dir: str | Path, vocab_siz
     tok.train([str(p) for p in text_files], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    pad_token="<|pad|>", bos_token="<|endoftext|>")
-    out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out)
+    # into a per-process temp dir, then renamed: several processes (a multi-GPU launch) may build
+    # it at once, and none may see a half-written tokenizer.json
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fast.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:   # another process got there first (the dir exists and is not empty)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer.json").is_file():
+            raise
     return out

@@ -225,25 +225,30 @@ class DeepSpeedTrainer:
         return dict(client_state or {})
 
     # ---- weights out -------------------------------------------------------------------------
-    def trainable_state(self) -> dict[str, torch.Tensor]:
+    def trainable_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """fp32 master weights of every trainable parameter (full FT: the whole model; LoRA: the
-        adapters), gathered from ZeRO-3's partitions, keyed by `model.named_parameters()` names."""
+        adapters), gathered from ZeRO-3's partitions, keyed by `model.named_parameters()` names.
+        The gathers are collective; `keep=False` (ranks that write nothing) takes part without
+        keeping host copies."""
         from deepspeed.utils import safe_get_full_fp32_param
         out: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 full = safe_get_full_fp32_param(p)
-                out[name] = full.detach().to("cpu", copy=True).reshape(p.ds_shape)
+                if keep:
+                    out[name] = full.detach().to("cpu", copy=True).reshape(p.ds_shape)
         return out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The whole `model.state_dict()` gathered to CPU (compute dtype; trainable parameters
-        replaced by their fp32 masters), ready for `model.save_pretrained(dir, state_dict=...)`."""
+        replaced by their fp32 masters), ready for `model.save_pretrained(dir, state_dict=...)`.
+        Collective; with `keep=False` nothing is copied to the host (an empty dict)."""
         import deepspeed
         params = list(self.model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            sd = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        masters = self.trainable_state()
+            sd = ({k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+                  if keep else {})
+        masters = self.trainable_state(keep=keep)
         for k in sd:
             if k in masters:
                 sd[k] = masters[k]
@@ -252,7 +257,7 @@ class DeepSpeedTrainer:
     def save_pretrained(self, directory: str | os.PathLike, write: bool = True) -> None:
         """HF dir (full FT) or PEFT adapter dir (LoRA) from the gathered weights, safetensors.
         Gathering is collective: under a launcher every rank calls this, one with `write`."""
-        sd = self.full_state_dict()
+        sd = self.full_state_dict(keep=write)
         if write:
             self.model.save_pretrained(str(directory), state_dict=sd)
 

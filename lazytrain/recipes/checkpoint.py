@@ -73,7 +73,8 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
-        states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+        states = [tensors[k] for k in sorted((k for k in tensors if k.startswith("torch_cuda_")),
+                                             key=lambda k: int(k.rsplit("_", 1)[1]))]
         if states:
             torch.cuda.set_rng_state_all(states)
     version, state, gauss = js["python"]

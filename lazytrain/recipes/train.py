@@ -365,6 +365,12 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     tokenizer, ds = pre.tokenizer, pre.dataset
     model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
     engine = build_engine(cfg, model, pre, out, nvme_dir)
+    if ranks.world == 1 and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        # a launcher that sets RANK / WORLD_SIZE only when the process group starts (MPI, srun)
+        ranks = Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size())
+        if not ranks.main:
+            echo = _silent
 
     ckpt_root = out / "checkpoints"
     try:
@@ -485,6 +491,7 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
         if not ranks.main:
             return
         tokenizer.save_pretrained(str(tmp))
+        ckpt.fsync_tree(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp, final_dir)
         return
