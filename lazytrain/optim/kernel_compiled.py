@@ -124,21 +124,8 @@ def adam8bit_update_(
     device = weight.device
     hv = torch.tensor([h[k] for k in HYPER_FIELDS], dtype=torch.float32).to(device, non_blocking=True)
     coef = torch.tensor(grad_coefs(clip, h), dtype=torch.float32).to(device, non_blocking=True)
-    numel = weight.numel()
-    full = numel // block_size
-    cut = full * block_size
     fixed = (hv, coef, tables.code_s, tables.code_u, tables.tab_m, tables.tab_v, tables.exp_lo_m, tables.exp_lo_v)
-    def segments():
-        # Views made just before their segment runs: a view made before the graph updated its
-        # base in place is refused by dynamo.
-        if full:
-            yield (weight[:cut].view(full, block_size), grad[:cut].view(full, block_size),
-                   qm[:cut].view(full, block_size), qv[:cut].view(full, block_size), am[:full], av[:full])
-        if cut < numel:
-            yield (weight[cut:].view(1, -1), grad[cut:].view(1, -1), qm[cut:].view(1, -1),
-                   qv[cut:].view(1, -1), am[full:], av[full:])
-
-    for seg in segments():
+    for seg in kernel_torch.block_segments(weight, grad, qm, qv, am, av, block_size):
         if _failed is None or strict:
             try:
                 compiled_segment()(*seg, *fixed)

@@ -81,6 +81,21 @@ def _segment(
     av.copy_(av_new)
 
 
+def block_segments(weight, grad, qm, qv, am, av, block_size: int):
+    """The full blocks as ``[k, block_size]`` views, then the short tail block as ``[1, n]``, each
+    as (weight, grad, qm, qv, am, av). A generator: each segment's views are made only when it is
+    reached (the compiled kernel needs views made after the previous segment's in-place update)."""
+    numel = weight.numel()
+    full = numel // block_size
+    cut = full * block_size
+    if full:
+        yield (weight[:cut].view(full, block_size), grad[:cut].view(full, block_size),
+               qm[:cut].view(full, block_size), qv[:cut].view(full, block_size), am[:full], av[:full])
+    if cut < numel:
+        yield (weight[cut:].view(1, -1), grad[cut:].view(1, -1), qm[cut:].view(1, -1),
+               qv[cut:].view(1, -1), am[full:], av[full:])
+
+
 def adam8bit_update_(
     weight: torch.Tensor,
     grad: torch.Tensor,
@@ -94,33 +109,8 @@ def adam8bit_update_(
     tables: Tables,
 ) -> None:
     """Update one flat fp32 ``weight`` and its 8-bit states in place (all 1-D, same numel)."""
-    numel = weight.numel()
-    full = numel // block_size
-    cut = full * block_size
-    if full:
-        _segment(
-            weight[:cut].view(full, block_size),
-            grad[:cut].view(full, block_size),
-            qm[:cut].view(full, block_size),
-            qv[:cut].view(full, block_size),
-            am[:full],
-            av[:full],
-            h,
-            clip,
-            tables,
-        )
-    if cut < numel:
-        _segment(
-            weight[cut:].view(1, -1),
-            grad[cut:].view(1, -1),
-            qm[cut:].view(1, -1),
-            qv[cut:].view(1, -1),
-            am[full:],
-            av[full:],
-            h,
-            clip,
-            tables,
-        )
+    for seg in block_segments(weight, grad, qm, qv, am, av, block_size):
+        _segment(*seg, h, clip, tables)
 
 
 def adam32_update_(
