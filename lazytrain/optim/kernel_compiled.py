@@ -26,18 +26,6 @@ _lock = threading.Lock()
 _compiled = None
 
 
-def _quant(x: torch.Tensor, tab: torch.Tensor, exp_lo: int, min_code: int, top: int, signed: bool) -> torch.Tensor:
-    # qmap.quantize_normalized with the tables as one int32 [3, 32] device tensor (shift, half, bias).
-    bits = x.view(torch.int32)
-    mag = bits & 0x7FFFFFFF
-    t = ((mag >> 23) - exp_lo).clamp(0, qmap.TABLE_SIZE - 1).long()
-    k = ((mag + tab[1][t]) >> tab[0][t]) + tab[2][t]
-    k = k.clamp(min_code, top)
-    if signed:
-        k = k | ((bits >> 24) & 0x80)
-    return k.to(torch.uint8)
-
-
 def _segment(
     w: torch.Tensor,  # fp32 [k, b], updated in place
     g: torch.Tensor,  # [k, b], fp32 or bf16
@@ -59,14 +47,12 @@ def _segment(
     m = code_s[qm.long()] * (am * b1)[:, None] + gf * coef[0]
     v = code_u[qv.long()] * (av * b2)[:, None] + (gf * gf) * coef[1]
     wi = w * decay
-    denom = torch.sqrt(v.double()).float() * ibc2 + eps
+    denom = kernel_torch._sqrt(v) * ibc2 + eps
     w.copy_(wi - (m / denom) * step_size)
     am_new = m.abs().amax(dim=1)
     av_new = v.amax(dim=1)
-    inv_m = torch.where(am_new > 0, 1.0 / am_new, torch.zeros_like(am_new))
-    inv_v = torch.where(av_new > 0, 1.0 / av_new, torch.zeros_like(av_new))
-    qm.copy_(_quant(m * inv_m[:, None], tab_m, exp_lo_m, 0, 127, True))
-    qv.copy_(_quant(v * inv_v[:, None], tab_v, exp_lo_v, 1, 255, False))
+    qm.copy_(qmap.quantize_bits(m * kernel_torch._inv_or_zero(am_new)[:, None], *tab_m, exp_lo_m, 0, 127, True))
+    qv.copy_(qmap.quantize_bits(v * kernel_torch._inv_or_zero(av_new)[:, None], *tab_v, exp_lo_v, 1, 255, False))
     am.copy_(am_new)
     av.copy_(av_new)
 

@@ -102,13 +102,20 @@ def quantize_normalized(x: torch.Tensor, emap: ExpMap) -> torch.Tensor:
 
     Integer arithmetic on the float bits, the same steps as the C++ kernel (bit-identical).
     """
+    shift, half, bias = (tab.to(x.device) for tab in (emap.shift, emap.half, emap.bias))
+    return quantize_bits(x, shift, half, bias, emap.exp_lo, emap.min_code, emap.top_code, emap.signed)
+
+
+def quantize_bits(x: torch.Tensor, shift: torch.Tensor, half: torch.Tensor, bias: torch.Tensor,
+                  exp_lo: int, min_code: int, top_code: int, signed: bool) -> torch.Tensor:
+    """`quantize_normalized` with the map's tables given as tensors on ``x``'s device (the form the
+    compiled kernel traces)."""
     bits = x.contiguous().view(torch.int32)
     mag = bits & 0x7FFFFFFF
-    t = ((mag >> 23) - emap.exp_lo).clamp(0, TABLE_SIZE - 1).long()
-    table = [tab.to(x.device) for tab in (emap.shift, emap.half, emap.bias)]
-    k = ((mag + table[1][t]) >> table[0][t]) + table[2][t]
-    k = k.clamp(emap.min_code, emap.top_code)
-    if emap.signed:
+    t = ((mag >> 23) - exp_lo).clamp(0, TABLE_SIZE - 1).long()
+    k = ((mag + half[t]) >> shift[t]) + bias[t]
+    k = k.clamp(min_code, top_code)
+    if signed:
         k = k | ((bits >> 24) & 0x80)
     return k.to(torch.uint8)
 

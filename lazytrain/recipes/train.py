@@ -61,16 +61,14 @@ class Ranks:
         if self.world > 1:
             torch.distributed.barrier()
 
-    def sum(self, x: float) -> float:
+    def sum(self, *xs: float) -> list[float]:
+        """The sums over ranks of `xs` (one all-reduce)."""
         if self.world == 1:
-            return x
+            return list(xs)
         dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([x], dtype=torch.float64, device=dev)
+        t = torch.tensor(xs, dtype=torch.float64, device=dev)
         torch.distributed.all_reduce(t)
-        return float(t.item())
-
-    def mean(self, x: float) -> float:
-        return self.sum(x) / self.world
+        return t.tolist()
 
 
 def ranks_of(cfg: DictConfig) -> Ranks:
@@ -413,7 +411,8 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
             t0 = time.time()
             st = engine.train_step([(b.input_ids, b.labels) for b in mbs[ranks.rank::ranks.world]])
             if ranks.world > 1:   # what the step did as a whole: the mean loss, all tokens
-                st = replace(st, loss=ranks.mean(st.loss), tokens=int(ranks.sum(st.tokens)))
+                loss_sum, tokens = ranks.sum(st.loss, st.tokens)
+                st = replace(st, loss=loss_sum / ranks.world, tokens=int(tokens))
             step += 1
             history.append(st)
             tps = st.tokens / st.step_time_s if st.step_time_s > 0 else 0.0
@@ -483,27 +482,18 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
     """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.
     Under a launcher every rank helps gather the weights; rank 0 writes them."""
     tmp = final_dir.with_name(final_dir.name + ".tmp")
-    if ranks.world > 1:
-        if ranks.main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        engine.save_pretrained(tmp, write=ranks.main)   # a collective gather on every rank
-        ranks.barrier()
-        if not ranks.main:
-            return
-        tokenizer.save_pretrained(str(tmp))
-        ckpt.fsync_tree(tmp)
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.replace(tmp, final_dir)
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
+    if ranks.main:
+        shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(engine, DeepSpeedEngine):
-        engine.save_pretrained(tmp)
+        engine.save_pretrained(tmp, write=ranks.main)   # a collective gather on every rank
     else:
         engine.model.save_pretrained(str(tmp), safe_serialization=True)
+    ranks.barrier()
+    if not ranks.main:
+        return
     tokenizer.save_pretrained(str(tmp))
     ckpt.fsync_tree(tmp)
-    if final_dir.exists():
-        shutil.rmtree(final_dir)
+    shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(tmp, final_dir)
 
 

@@ -228,11 +228,11 @@ class StreamingExecutor:
         self.borrowed_grads: dict[int, list[torch.Tensor | None]] = {}
 
         need_nvme = 0
+        itemsize = self.master_dtype.itemsize
         for lay, d in zip(self.layers, self.decisions):
             if d.param_tier == "nvme":
                 need_nvme += lay.layout.padded_nbytes
             if self.trainable[lay.index]:
-                itemsize = torch.empty((), dtype=self.master_dtype).element_size()
                 need_nvme += lay.layout.numel * itemsize * ((d.grad_tier == "nvme") + 3 * (d.optimizer_tier == "nvme"))
         uses_nvme = need_nvme > 0 or any(d.activation_tier == "nvme" for d in self.decisions)
         self.host = HostStore(pin=self.cuda)
@@ -299,6 +299,7 @@ class StreamingExecutor:
         upd = [i for i, st in enumerate(self.states) if st is not None]
         self._update_order = upd if self.max_grad_norm is not None else upd[::-1]
         self._staged_order = [i for i in self._update_order if self.states[i].staging is not None]
+        self._staged_pos = {i: k for k, i in enumerate(self._staged_order)}
         if optimizer == "adamw8bit" and not self.lora:
             try:
                 from ..optim import AdamW8bit  # type: ignore[attr-defined]
@@ -490,7 +491,7 @@ class StreamingExecutor:
         st = self.states[i]
         st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
         if st.staging is not None:   # keep the read-ahead NVMe_STATE_SETS - 1 layers deep
-            k = self._staged_order.index(i) + NVME_STATE_SETS - 1
+            k = self._staged_pos[i] + NVME_STATE_SETS - 1
             if k < len(self._staged_order):
                 self.states[self._staged_order[k]].prefetch()
 
@@ -565,7 +566,7 @@ class StreamingExecutor:
             prev_out = out
             h = out if d.recompute else out.detach()
             # the live boundary (hidden state handed to the next layer) is device memory too
-            live = self._track_grad(live, h)
+            live = self._track_live(live, h)
             if d.recompute:
                 prev_out = None
         # ---- backward
@@ -602,7 +603,7 @@ class StreamingExecutor:
                     self.streamer.use(j)
                     xj, outj = seg_graphs.pop(j)
                     g = self._bwd(j, xj, outj, g, first, last, mb)
-                    live = self._track_grad(live, g)
+                    live = self._track_live(live, g)
                     self.acts.release(j)
                 i = a - 1
             else:
@@ -616,7 +617,7 @@ class StreamingExecutor:
                 self.streamer.use(i)
                 x, out = graphs.pop(i)
                 g = self._bwd(i, x, out, g, first, last, mb)
-                live = self._track_grad(live, g)
+                live = self._track_live(live, g)
                 self.acts.release(i)
                 i -= 1
         self.acct.free(ctx_bytes, "step_context")
@@ -625,7 +626,7 @@ class StreamingExecutor:
         aux = mb.get("aux")
         return float(mb["loss"]), (float(aux) if aux is not None else None)
 
-    def _track_grad(self, live: int, g: torch.Tensor | None) -> int:
+    def _track_live(self, live: int, g: torch.Tensor | None) -> int:
         """Count the tensor flowing between layers, the hidden state or its gradient (replaces the
         previous one)."""
         self.acct.free(live, "live_boundary")

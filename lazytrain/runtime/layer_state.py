@@ -42,7 +42,6 @@ class LayerTrainState:
         self.name, self.layout = name, layout
         self.numel = layout.numel
         self.dtype = layout.dtype
-        self.nbytes32 = self.numel * torch.empty((), dtype=self.dtype).element_size()
         self.grad_tier, self.optimizer_tier = grad_tier, optimizer_tier
         self.host, self.nvme, self.trace = host, nvme, trace
         # AdamW's step counters, one per tensor (the fused kernel takes one per parameter)
@@ -67,7 +66,7 @@ class LayerTrainState:
                 # update writes the weights in place and nothing needs publishing
                 store.bufs[self._key(key)] = store.get(master_alias)
                 continue
-            store.allocate(self._key(key), self.nbytes32)
+            store.allocate(self._key(key), self.layout.nbytes)
 
     def _key(self, what: str) -> str:
         return f"{self.name}.{what}"
@@ -87,7 +86,7 @@ class LayerTrainState:
         if self.staging is None or self._set is not None:
             return
         self._wait_writes()
-        bufs = self.staging.acquire(self.nbytes32)
+        bufs = self.staging.acquire(self.layout.nbytes)
         reads: dict[str, Future] = {}
         try:
             for w, b in zip(OPT_KEYS, bufs):
@@ -124,7 +123,7 @@ class LayerTrainState:
         bufs, reads = self._set
         s = self.trace.now()
         reads[what].result()
-        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.nbytes32, "nvme")
+        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme")
         return typed(bufs[OPT_KEYS.index(what)], self.dtype, self.numel)
 
     def _write_back_staged(self) -> None:
@@ -139,7 +138,7 @@ class LayerTrainState:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.nbytes32, "nvme")
+                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme")
                 staging.release(bufs)
 
         self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them
@@ -153,11 +152,11 @@ class LayerTrainState:
             return typed(self.host.get(self._key(what)), self.dtype, self.numel)
         if what in OPT_KEYS:
             self.flush()   # read what the last write-back wrote; read-ahead copies may go stale
-        buf = staging_buffer(self.nbytes32)
+        buf = staging_buffer(self.layout.nbytes)
         self._staging[what] = buf
         s = self.trace.now()
         self.nvme.read_sync(self._key(what), buf)
-        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.nbytes32, "nvme")
+        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme")
         return typed(buf, self.dtype, self.numel)
 
     def _save(self, what: str, tier: str, t: torch.Tensor) -> None:
@@ -166,7 +165,7 @@ class LayerTrainState:
         s = self.trace.now()
         buf = self._staging.pop(what)
         self.nvme.write_sync(self._key(what), buf)
-        self.trace.add("nvme_write", self.name, s, self.trace.now(), self.nbytes32, "nvme")
+        self.trace.add("nvme_write", self.name, s, self.trace.now(), self.layout.nbytes, "nvme")
 
     def _fresh(self, what: str, tier: str) -> torch.Tensor:
         """A tensor to overwrite entirely (no read from NVMe needed)."""
@@ -174,7 +173,7 @@ class LayerTrainState:
             return typed(self.host.get(self._key(what)), self.dtype, self.numel)
         if what in OPT_KEYS:
             self.flush()
-        buf = staging_buffer(self.nbytes32)
+        buf = staging_buffer(self.layout.nbytes)
         self._staging[what] = buf
         return typed(buf, self.dtype, self.numel)
 
@@ -246,7 +245,7 @@ class LayerTrainState:
             self.norms = [torch.linalg.vector_norm(acc[o:o + n]) for o, n in
                           zip(self.layout.offsets, self.layout.numels)]
         self._save("grad", self.grad_tier, acc)
-        self.trace.add("d2h", self.name, s, self.trace.now(), self.nbytes32, self.grad_tier)
+        self.trace.add("d2h", self.name, s, self.trace.now(), self.layout.nbytes, self.grad_tier)
 
     # ---- the update -----------------------------------------------------------------------
     @property
@@ -271,10 +270,12 @@ class LayerTrainState:
     def _update(self, hp: dict, clip_scale, write_params, opt8, staged: bool, s: float) -> None:
         direct, self._direct = self._direct, None
         grad = self._load("grad", self.grad_tier) if direct is None else None
-        grads = direct if direct is not None else self.layout.views(grad)
         if clip_scale is not None and float(clip_scale) != 1.0:
             # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly)
-            torch._foreach_mul_(grads, clip_scale) if direct is not None else grad.mul_(clip_scale)
+            if direct is not None:
+                torch._foreach_mul_(direct, clip_scale)
+            else:
+                grad.mul_(clip_scale)
         master = self._staged("master") if staged else self._load("master", self.optimizer_tier)
         if opt8 is not None:
             p = opt8.param_groups[0]["params"][0]
@@ -306,7 +307,7 @@ class LayerTrainState:
         if staged:
             self._write_back_staged()   # after the publish: it reads the master buffer too
         self.has_grad = False
-        self.trace.add("optimizer", self.name, s, self.trace.now(), self.nbytes32 * 4, "host")
+        self.trace.add("optimizer", self.name, s, self.trace.now(), self.layout.nbytes * 4, "host")
 
 
 def _add_pair(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool,

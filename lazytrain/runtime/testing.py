@@ -149,3 +149,31 @@ class GradCapture:
                 return orig(hp, scale, write, opt8)
 
             st.update = update
+
+
+def reference_training(model, steps: int, lr: float, wd: float, max_norm: float | None, seed: int,
+                       fused: bool = True, device: str = "cpu", n_micro: int = 2):
+    """Plain PyTorch: `steps` AdamW steps (betas 0.9/0.95) on a copy of `model`, each over the same
+    `random_batches(n_micro, seed)` averaged over micro-batches, clipping when `max_norm`; returns
+    (the trained copy, the per-step losses)."""
+    import copy
+
+    import torch
+
+    m = copy.deepcopy(model).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, betas=(0.9, 0.95), eps=1e-8,
+                            fused=fused or None)
+    losses = []
+    for _ in range(steps):
+        mbs = random_batches(n_micro, seed=seed)
+        tot = 0.0
+        for ids, labels in mbs:
+            loss = m(input_ids=ids.to(device), labels=labels.to(device)).loss
+            tot += loss.item()
+            (loss / len(mbs)).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(tot / len(mbs))
+    return m, losses

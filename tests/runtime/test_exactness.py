@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lazytrain.runtime import StreamingExecutor
-from lazytrain.runtime.testing import (GradCapture, hand_plan, plan_families, random_batches, rel_err,
+from lazytrain.runtime.testing import (GradCapture, hand_plan, plan_families, random_batches, reference_training, rel_err,
                                       tiny_model)
 
 FAMILIES = ("llama", "qwen2", "mixtral", "llama-tied", "qwen2-tied")
@@ -63,26 +63,6 @@ def test_loss_and_grads_match_autograd(family, plan_name, device, tmp_path):
     ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
     assert abs(res.grad_norm - float(ref_norm)) <= 1e-4 * float(ref_norm)
     ex.close()
-
-
-def reference_training(model, steps, lr, wd, max_norm, seed, fused=True, device="cpu"):
-    m = copy.deepcopy(model).to(device)
-    opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, betas=(0.9, 0.95), eps=1e-8,
-                            fused=fused or None)
-    losses = []
-    for s in range(steps):
-        mbs = batches(2, seed=seed)
-        tot = 0.0
-        for ids, labels in mbs:
-            loss = m(input_ids=ids.to(device), labels=labels.to(device)).loss
-            tot += loss.item()
-            (loss / len(mbs)).backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-        losses.append(tot / len(mbs))
-    return m, losses
 
 
 @pytest.mark.parametrize("family,plan_name,max_norm,fused", [

@@ -15,7 +15,7 @@ import torch
 from lazytrain.models import apply_lora
 from lazytrain.models.adapter import find_parts, router_aux
 from lazytrain.runtime import StreamingExecutor
-from lazytrain.runtime.testing import (GradCapture, hand_plan, plan_families, random_batches, rel_err,
+from lazytrain.runtime.testing import (GradCapture, reference_training, hand_plan, plan_families, random_batches, rel_err,
                                       tiny_model)
 
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.02)
@@ -93,22 +93,12 @@ def test_steps_match_torch_adamw(family, plan_name, max_norm, tmp_path):
     model = tiny_model(family, **AUX)
     steps, lr, wd = 5, 3e-3, 0.01
     mbs = random_batches(2, seed=100)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    ref, ref_losses = reference_training(model, steps, lr, wd, max_norm, seed=100)
     ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)[plan_name]), device="cpu",
                            nvme_dir=tmp_path, lr=lr, betas=(0.9, 0.95), weight_decay=wd, max_grad_norm=max_norm)
-    for _ in range(steps):
-        tot = 0.0
-        for ids, labels in mbs:
-            loss = ref(input_ids=ids, labels=labels).loss
-            tot += loss.item()
-            (loss / len(mbs)).backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
+    for want in ref_losses:
         got = ex.train_step(mbs).loss
-        assert abs(got - tot / len(mbs)) <= REL * abs(got)
+        assert abs(got - want) <= REL * abs(got)
     state = ex.trainable_state()
     worst = max(rel_err(state[n], p.detach()) for n, p in ref.named_parameters())
     assert worst <= REL, f"{family}/{plan_name}: weights after {steps} steps differ, rel {worst:.2e}"
