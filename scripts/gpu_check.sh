@@ -1,21 +1,78 @@
 #!/usr/bin/env bash
-# One prepared device check (for a lent GPU machine): the `gpu` tests, then short GPU runs of the
-# benchmarks, ending with a short table. Usage: bash scripts/gpu_check.sh
+# One prepared device check for a lent CUDA machine: the `gpu` tests, the CUDA benchmark, then
+# `lazytrain profile` + two short `lazytrain train` runs on the GPU (whole budget; a budget that
+# forces streaming and recompute) reporting predicted vs measured step time and device peak.
+# Ends with a short table. Usage: bash scripts/gpu_check.sh   (logs in $OUT or /tmp/gpu_check)
+#
+# Without .venv (a bare machine with CUDA torch and no network): uses python3 with this checkout on
+# PYTHONPATH, after installing the wheels in .whl/ (pulp, highspy, hydra-core, omegaconf, antlr4),
+# if present, into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || make venv >/dev/null
-PY=.venv/bin/python
-mkdir -p "${OUT:-/tmp/gpu_check}"
 OUTDIR="${OUT:-/tmp/gpu_check}"
-$PY - <<'PY'
-import torch
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -x .venv/bin/python ]; then
+  PY=.venv/bin/python
+else
+  PY=python3
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || echo "wheel install failed"
+    export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+LT="$PY -m lazytrain.cli.main"
+$PY - <<'PY' 2>&1 | tee "$OUTDIR/env.txt"
+import torch, transformers, sys
+print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 PY
-$PY -m pytest -m gpu -q -p no:warnings 2>&1 | tee "$OUTDIR/gpu_tests.txt" | tail -15
+
+echo "== gpu tests"
+timeout -k 5 "${GPU_TESTS_S:-170}" $PY -m pytest -m gpu -p no:warnings -p no:cacheprovider -rfEs --maxfail=5 \
+  --durations=5 2>&1 | tee "$OUTDIR/gpu_tests.txt" | tail -25
 status_tests=${PIPESTATUS[0]}
-# the CUDA benchmark (the CPU benchmarks in scripts/ have no CUDA mode)
-timeout 300 $PY scripts/bench_gpu.py > "$OUTDIR/bench_gpu.txt" 2>&1
-echo "== bench_gpu (rc=$?)"; tail -9 "$OUTDIR/bench_gpu.txt"
+
+echo "== bench_gpu"
+timeout -k 5 "${BENCH_S:-140}" $PY scripts/bench_gpu.py > "$OUTDIR/bench_gpu.txt" 2>&1
+status_bench=$?
+tail -12 "$OUTDIR/bench_gpu.txt"
+
+# A ~150M Llama on the demo corpus: profile this machine, then train with the measured profile.
+M="model=small-llama model.hf_config.hidden_size=1024 model.hf_config.intermediate_size=2816
+   model.hf_config.num_hidden_layers=12 model.hf_config.num_attention_heads=16
+   model.hf_config.num_key_value_heads=16 job.batch_size=8 job.seq_len=512"
+echo "== profile"
+timeout -k 5 60 $LT profile hardware=h200 $M --repeats 3 --size-mib 128 --out "$OUTDIR/measured.yaml" \
+  > "$OUTDIR/profile.txt" 2>&1
+status_prof=$?
+tail -8 "$OUTDIR/profile.txt"
+HW="hardware=h200"
+if [ $status_prof -eq 0 ] && [ -f "$OUTDIR/measured.yaml" ]; then
+  cp "$OUTDIR/measured.yaml" configs/hardware/measured.yaml && HW="hardware=measured"
+  [ -f "$OUTDIR/measured.profile.json" ] && cp "$OUTDIR/measured.profile.json" configs/hardware/
+fi
+run_train() {  # name, extra overrides...
+  local name=$1; shift
+  echo "== train ($name)"
+  timeout -k 5 "${TRAIN_S:-55}" $LT train $HW $M data=demo job.max_steps=15 progress=false save_every=0 \
+    save_final_model=false output_dir="/tmp/lt-$name" "$@" > "$OUTDIR/train_$name.txt" 2>&1
+  local rc=$?
+  tail -6 "$OUTDIR/train_$name.txt"
+  echo "train $name rc=$rc" >> "$OUTDIR/status.txt"
+}
+run_train whole
+run_train tight hardware.device_memory_gib=0.8 hardware.workspace_gib=0.25 job.optimizer_state_bits=8
+
 echo
 echo "check            result"
-echo "gpu tests        $(tail -1 "$OUTDIR/gpu_tests.txt") (rc=$status_tests)"
+echo "gpu tests        $(grep -E "(passed|failed|skipped|error)[^\n]* in [0-9.]+s" "$OUTDIR/gpu_tests.txt" | tail -1) (rc=$status_tests)"
+echo "bench_gpu        rc=$status_bench"
+echo "profile          rc=$status_prof ($HW)"
+cat "$OUTDIR/status.txt" 2>/dev/null
+for n in whole tight; do
+  grep -h "step time: predicted" "$OUTDIR/train_$n.txt" 2>/dev/null | sed "s/^/$n: /"
+done
