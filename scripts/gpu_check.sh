@@ -2,14 +2,15 @@
 # One prepared device check for a lent CUDA machine: the `gpu` tests, the CUDA benchmark, then
 # `lazytrain profile` + two short `lazytrain train` runs on the GPU (whole budget; a budget that
 # forces streaming and recompute) reporting predicted vs measured step time and device peak.
-# Ends with a short table. Usage: bash scripts/gpu_check.sh   (logs in $OUT or /tmp/gpu_check)
+# Ends with a short table. Usage: bash scripts/gpu_check.sh   (logs, traces in $GPU_CHECK_DIR or
+# /tmp/gpu_check)
 #
 # Without .venv (a bare machine with CUDA torch and no network): uses python3 with this checkout on
 # PYTHONPATH, after installing the wheels in .whl/ (pulp, highspy, hydra-core, omegaconf, antlr4),
 # if present, into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR="${OUT:-/tmp/gpu_check}"
+OUTDIR="${GPU_CHECK_DIR:-/tmp/gpu_check}"
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -x .venv/bin/python ]; then
@@ -32,25 +33,27 @@ print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.
 PY
 
 echo "== gpu tests"
-timeout -k 5 "${GPU_TESTS_S:-170}" $PY -m pytest -m gpu -p no:warnings -p no:cacheprovider -rfEs --maxfail=5 \
-  --durations=5 2>&1 | tee "$OUTDIR/gpu_tests.txt" | tail -25
+XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 4"   # 4 processes share the GPU
+timeout -k 5 "${GPU_TESTS_S:-150}" $PY -m pytest -m gpu $XDIST -p no:warnings -p no:cacheprovider -rfEs \
+  --maxfail=10 --durations=5 2>&1 | tee "$OUTDIR/gpu_tests.txt" | tail -25
 status_tests=${PIPESTATUS[0]}
 
 echo "== bench_gpu"
-timeout -k 5 "${BENCH_S:-140}" $PY scripts/bench_gpu.py > "$OUTDIR/bench_gpu.txt" 2>&1
+timeout -k 5 "${BENCH_S:-170}" $PY scripts/bench_gpu.py > "$OUTDIR/bench_gpu.txt" 2>&1
 status_bench=$?
 tail -12 "$OUTDIR/bench_gpu.txt"
 
 # A ~150M Llama on the demo corpus: profile this machine, then train with the measured profile.
-M="model=small-llama model.hf_config.hidden_size=1024 model.hf_config.intermediate_size=2816
+M="${GPU_CHECK_MODEL:-model=small-llama model.hf_config.hidden_size=1024 model.hf_config.intermediate_size=2816
    model.hf_config.num_hidden_layers=12 model.hf_config.num_attention_heads=16
-   model.hf_config.num_key_value_heads=16 job.batch_size=8 job.seq_len=512"
+   model.hf_config.num_key_value_heads=16 job.batch_size=8 job.seq_len=512}"
+BASE="${GPU_CHECK_BASE:-h200}"
 echo "== profile"
-timeout -k 5 60 $LT profile hardware=h200 $M --repeats 3 --size-mib 128 --out "$OUTDIR/measured.yaml" \
+timeout -k 5 60 $LT profile hardware=$BASE $M --repeats 3 --size-mib 128 --out "$OUTDIR/measured.yaml" \
   > "$OUTDIR/profile.txt" 2>&1
 status_prof=$?
 tail -8 "$OUTDIR/profile.txt"
-HW="hardware=h200"
+HW="hardware=$BASE"
 if [ $status_prof -eq 0 ] && [ -f "$OUTDIR/measured.yaml" ]; then
   cp "$OUTDIR/measured.yaml" configs/hardware/measured.yaml && HW="hardware=measured"
   [ -f "$OUTDIR/measured.profile.json" ] && cp "$OUTDIR/measured.profile.json" configs/hardware/
@@ -59,13 +62,33 @@ run_train() {  # name, extra overrides...
   local name=$1; shift
   echo "== train ($name)"
   timeout -k 5 "${TRAIN_S:-55}" $LT train $HW $M data=demo job.max_steps=15 progress=false save_every=0 \
-    save_final_model=false output_dir="/tmp/lt-$name" "$@" > "$OUTDIR/train_$name.txt" 2>&1
+    save_final_model=false output_dir="$OUTDIR/lt-$name" "$@" > "$OUTDIR/train_$name.txt" 2>&1
   local rc=$?
-  tail -6 "$OUTDIR/train_$name.txt"
+  grep -E "busy time per resource|device peak .* budget" "$OUTDIR/train_$name.txt" | head -2
+  tail -4 "$OUTDIR/train_$name.txt"
+  # what the trace saw per step (median over steps 2..): host-side spans per kind
+  $PY - "$OUTDIR/lt-$name/trace.jsonl" <<'PY' 2>&1 | tail -2
+import collections, json, statistics, sys
+per = collections.defaultdict(lambda: collections.defaultdict(float))
+span = collections.defaultdict(lambda: [1e18, 0.0])
+for line in open(sys.argv[1]):
+    e = json.loads(line)
+    per[e["step"]][e["kind"]] += e["end_s"] - e["start_s"]
+    sp = span[e["step"]]; sp[0] = min(sp[0], e["start_s"]); sp[1] = max(sp[1], e["end_s"])
+steps = sorted(per)[1:] or sorted(per)
+kinds = sorted({k for s in steps for k in per[s]})
+print("trace busy s/step (median): " + ", ".join(f"{k} {statistics.median(per[s][k] for s in steps):.4f}" for k in kinds)
+      + f"; first-to-last event {statistics.median(span[s][1] - span[s][0] for s in steps):.4f}")
+PY
   echo "train $name rc=$rc" >> "$OUTDIR/status.txt"
 }
 run_train whole
-run_train tight hardware.device_memory_gib=0.8 hardware.workspace_gib=0.25 job.optimizer_state_bits=8
+# the tight run uses 8-bit states: plan it with the host update rate measured for them
+OPT8=$($PY -c "from lazytrain.profile.links import measure_host_optimizer as m; from lazytrain.spec import JobSpec
+print(round(m(JobSpec(optimizer_state_bits=8), repeats=3), 2))" 2>/dev/null | tail -1)
+echo "host 8-bit update: ${OPT8:-?} GB/s of optimizer traffic"
+run_train tight hardware.device_memory_gib=0.8 hardware.workspace_gib=0.25 job.optimizer_state_bits=8 \
+  ${OPT8:+hardware.host_memory_gbps=$OPT8}
 
 echo
 echo "check            result"

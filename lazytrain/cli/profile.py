@@ -1,7 +1,8 @@
 """`lazytrain profile hardware=NAME [model=...] [job.*=...] [--nvme-dir DIR] [--size-mib N]`
 
 Measures this machine — host<->device copies (pinned and pageable), NVMe write/read with O_DIRECT
-in --nvme-dir, the matmul peak and the per-layer forward/backward time of the chosen model — and
+in --nvme-dir, the matmul peak, the per-layer forward/backward time of the chosen model and, on a
+GPU machine, the host optimizer update for the job's optimizer (job.optimizer_state_bits) — and
 writes configs/hardware/measured.yaml (HardwareSpec keys; unmeasured capacities from hardware=NAME),
 so that `lazytrain plan|train hardware=measured` plans with it.
 """
@@ -28,12 +29,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, _ = _parse(list(sys.argv[1:] if argv is None else argv))
-    from ..cli.config import ConfigError, config_dir, hardware_spec, load_config, model_spec
+    from ..cli.config import ConfigError, config_dir, hardware_spec, job_spec, load_config, model_spec
     from ..spec.units import MiB
 
     try:
         cfg = load_config([o for o in args.overrides if o != "hardware=measured"])
-        base, mspec = hardware_spec(cfg), model_spec(cfg)
+        base, mspec, job = hardware_spec(cfg), model_spec(cfg), job_spec(cfg)
     except (ConfigError, ValueError) as e:
         print(f"lazytrain profile: {e}", file=sys.stderr)
         return 2
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..profile.hardware import details_dict, measured_spec, write_profile
     from ..profile.layers import DTYPES, measure_layers
-    from ..profile.links import measure_copies, measure_disk, measure_matmul_tflops
+    from ..profile.links import measure_copies, measure_disk, measure_host_optimizer, measure_matmul_tflops
 
     size = args.size_mib * MiB
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -66,9 +67,14 @@ def main(argv: list[str] | None = None) -> int:
                                 repeats=args.repeats)
         for lt in (layers[0], layers[1], layers[-1]):
             print(f"  {lt.name:<8} fwd {lt.fwd_s * 1e3:8.2f} ms  bwd {lt.bwd_s * 1e3:8.2f} ms", flush=True)
-    spec = measured_spec(base, copies, disk, peak, layers)
+    opt_gbps = None
+    if device.type == "cuda":   # on a CPU-only machine the copy rate stands for it (measured_spec)
+        opt_gbps = measure_host_optimizer(job, repeats=max(2, args.repeats))
+        print(f"  host optimizer update ({job.optimizer_state_bits}-bit states) "
+              f"{opt_gbps:.1f} GB/s of optimizer traffic", flush=True)
+    spec = measured_spec(base, copies, disk, peak, layers, opt_gbps)
     out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
     write_profile(spec, out, details_dict(copies, disk, peak, layers, mspec.name,
-                                          int(cfg.job.batch_size), int(cfg.job.seq_len), dtype))
+                                          int(cfg.job.batch_size), int(cfg.job.seq_len), dtype, opt_gbps))
     print(f"wrote {out} (efficiency {spec.efficiency:.2f}); plan with hardware=measured")
     return 0

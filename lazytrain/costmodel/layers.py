@@ -55,6 +55,14 @@ class JobCosts:
         return self.layers[1:-1]
 
 
+def optimizer_traffic_per_param(job: JobSpec) -> float:
+    """Bytes the host update streams per trainable parameter: master, gradient and both moments in
+    and out, compute-dtype weights out. The update is charged as memory-bound at
+    `hardware.host_memory_gbps`; `lazytrain profile` on a GPU machine sets that figure from a timed
+    update (this many bytes / its seconds per parameter)."""
+    return 2 * (job.master_bytes + job.optimizer_state_bytes_per_param) + min(4, job.master_bytes) + job.compute_bytes
+
+
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     tokens = job.tokens_per_micro_batch
     cb = job.compute_bytes
@@ -62,8 +70,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     flops = hw.achieved_flops_per_s
     # fp32 master (or none if master dtype == compute dtype and fp32) + moments
     opt_per_param = job.master_bytes + job.optimizer_state_bytes_per_param
-    # host update streams master, grad, both moments in and out; memory-bound
-    opt_traffic_per_param = 2 * (job.master_bytes + job.optimizer_state_bytes_per_param) + min(4, job.master_bytes) + cb
+    opt_traffic_per_param = optimizer_traffic_per_param(job)
     bnd = model.boundary_bytes_per_token(cb) * tokens
 
     out: list[LayerCost] = []

@@ -134,6 +134,9 @@ def grad_sq_sum(grads: list[torch.Tensor]) -> torch.Tensor:
     """fp32 0-d sum of squares of all ``grads`` (accumulated per tensor in fp32)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
+    if grads[0].device.type == "cuda":   # a few multi-tensor kernels instead of 2-3 launches per tensor
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack(norms)).square()
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     for g in grads:
         gf = g.float()

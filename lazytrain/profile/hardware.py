@@ -28,8 +28,11 @@ def host_memory_gib() -> float | None:
 
 
 def measured_spec(base: HardwareSpec, copies: CopyRates, disk: DiskRates | None,
-                  peak_tflops: float, layers: list[LayerTime] | None) -> HardwareSpec:
-    """`base` with every measured field replaced."""
+                  peak_tflops: float, layers: list[LayerTime] | None,
+                  host_optimizer_gbps: float | None = None) -> HardwareSpec:
+    """`base` with every measured field replaced. `host_optimizer_gbps` (a timed host update,
+    links.measure_host_optimizer) sets host_memory_gbps on a GPU machine; on a CPU-only one the
+    copy rate does (validated by scripts/bench_streaming.py (c))."""
     h2d = copies.h2d_pinned_gbps or copies.h2d_pageable_gbps
     d2h = copies.d2h_pinned_gbps or copies.d2h_pageable_gbps
     upd: dict[str, Any] = dict(name="measured", h2d_gbps=round(h2d, 3), d2h_gbps=round(d2h, 3),
@@ -37,6 +40,8 @@ def measured_spec(base: HardwareSpec, copies: CopyRates, disk: DiskRates | None,
     if copies.device == "cpu":
         # the CPU is the device: its copy rate is also what a host optimizer step streams
         upd["host_memory_gbps"] = round(copies.h2d_pageable_gbps, 3)
+    elif host_optimizer_gbps:
+        upd["host_memory_gbps"] = round(host_optimizer_gbps, 3)
     if disk is not None:
         upd.update(nvme_read_gbps=round(disk.read_gbps, 3), nvme_write_gbps=round(disk.write_gbps, 3),
                    nvme_capacity_gib=round(disk.free_bytes / 2**30, 1))
@@ -66,9 +71,10 @@ def write_profile(spec: HardwareSpec, yaml_path: Path, details: dict[str, Any]) 
 
 def details_dict(copies: CopyRates, disk: DiskRates | None, peak_tflops: float,
                  layers: list[LayerTime] | None, model_name: str, batch_size: int,
-                 seq_len: int, compute_dtype: str) -> dict[str, Any]:
+                 seq_len: int, compute_dtype: str, host_optimizer_gbps: float | None = None) -> dict[str, Any]:
     return {
         "copies": asdict(copies), "disk": disk and asdict(disk), "matmul_peak_tflops": peak_tflops,
+        "host_optimizer_gbps": host_optimizer_gbps,
         "model": model_name, "batch_size": batch_size, "seq_len": seq_len,
         "compute_dtype": compute_dtype,
         "layers": [asdict(lt) for lt in layers or []],

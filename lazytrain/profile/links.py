@@ -1,4 +1,5 @@
-"""Measured link rates: host<->device copies (pinned and pageable) and NVMe reads/writes (O_DIRECT).
+"""Measured link rates: host<->device copies (pinned and pageable), NVMe reads/writes (O_DIRECT),
+and the host optimizer update the executor runs for a job.
 
 Every figure is the median of `repeats` timed transfers after one warm-up, in GB/s (decimal).
 On a CPU-only machine the "device" is the CPU itself, so host->device is a copy between two host
@@ -125,3 +126,43 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 204
     flops = 2 * n ** 3
     rate = _median_gbps(lambda: a @ b, flops, repeats, sync)  # "GB/s" of flops = GFLOP/s
     return rate / 1e3
+
+
+def measure_host_optimizer(job, numel: int = 1 << 24, repeats: int = 5) -> float:
+    """The executor's host update for `job` (fused AdamW on the master weights, or the 8-bit
+    AdamW, then the compute-dtype copy of the weights), timed on one `numel`-parameter layer of
+    four tensors: returns its rate as the GB/s `hardware.host_memory_gbps` means, i.e.
+    costmodel.optimizer_traffic_per_param(job) bytes per parameter over the median time."""
+    from torch.optim.adamw import adamw as _adamw
+
+    from ..costmodel import optimizer_traffic_per_param
+    from ..optim import AdamW8bit
+
+    f32 = torch.float32
+    mdt = f32 if job.master_bytes == 4 else torch.bfloat16
+    cdt = torch.bfloat16 if job.compute_bytes == 2 else f32
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=g).to(mdt) * 0.02
+    grad = (torch.randn(numel, generator=g) * 1e-3).to(mdt)
+    out = torch.empty(numel, dtype=cdt, pin_memory=torch.cuda.is_available())
+    parts = [numel // 4] * 3 + [numel - 3 * (numel // 4)]
+    if job.optimizer_state_bits == 8:
+        p = torch.nn.Parameter(master)
+        opt = AdamW8bit([p], lr=1e-4)
+
+        def update() -> None:
+            p.grad = grad
+            opt.step_params([p], clip_scale=1.0)
+            out.copy_(p.data)
+    else:
+        m, v = torch.zeros_like(master), torch.zeros_like(master)
+        steps = [torch.zeros((), dtype=f32) for _ in parts]
+        views = [t.split(parts) for t in (master, grad, m, v)]
+
+        def update() -> None:
+            _adamw(list(views[0]), list(views[1]), list(views[2]), list(views[3]), [], steps, fused=True,
+                   amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.0, eps=1e-8,
+                   maximize=False)
+            out.copy_(master)
+    nbytes = int(optimizer_traffic_per_param(job) * numel)
+    return _median_gbps(update, nbytes, repeats)

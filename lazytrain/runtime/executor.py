@@ -54,7 +54,8 @@ class StepResult:
                                      # max_grad_norm (not computed: math.inf clips nothing but reports it)
     skipped: bool                    # non-finite gradients with clipping on: no update
     step_time_s: float
-    device_peak_bytes: int           # the accountant's peak (CUDA: max of it and the allocator's)
+    device_peak_bytes: int           # the accountant's peak (CUDA: max of it and the allocator's,
+                                     # less other owners' bytes held when the executor was made)
     tokens: int
     predicted_step_time_s: float
     predicted_device_peak_bytes: int
@@ -156,6 +157,15 @@ class StreamingExecutor:
         # thing to the planner and to the accountant (on CUDA the allocator's figure covers it).
         if not self.cuda:
             self.acct.alloc(plan.hardware.workspace_bytes, "workspace")
+        # On CUDA the measured peak is the allocator's, less what other owners in this process
+        # already held when the executor was made (a model kept for comparison, a data batch); the
+        # model's own device tensors are the executor's from here on. The predicted figure it is
+        # compared with leaves out the plan's workspace reserve, which is no allocation of ours.
+        self._foreign_bytes = 0
+        if self.cuda:
+            own = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                      if t.device.type == "cuda" and t.device.index in (None, self.device.index or 0))
+            self._foreign_bytes = max(0, torch.cuda.memory_allocated(self.device) - own)
         self.pool = IOPool(workers=2)
         # Host-side gradient accumulation and optimizer updates run on their own thread, overlapped
         # with the device's compute. When the CPU is the device the same cores would run both (the
@@ -696,16 +706,24 @@ class StreamingExecutor:
         if not skipped:
             self.step_count += 1
         peak = self.acct.peak_bytes
-        measured = max(peak, torch.cuda.max_memory_allocated(self.device)) if self.cuda else peak
+        measured = max(peak, torch.cuda.max_memory_allocated(self.device) - self._foreign_bytes) \
+            if self.cuda else peak
         step_s = time.perf_counter() - t0
         self.trace.flush()
         pred = self.plan.predicted
         return StepResult(loss=sum(losses) / n, grad_norm=grad_norm, skipped=skipped, step_time_s=step_s,
                           device_peak_bytes=int(measured), tokens=tokens,
                           predicted_step_time_s=float(pred.step_time_s),
-                          predicted_device_peak_bytes=int(pred.peak_bytes.get("device", 0)),
+                          predicted_device_peak_bytes=self.predicted_device_peak_bytes,
                           accounted_peak_bytes=int(peak),
                           aux_loss=sum(auxes) / len(auxes) if auxes else None)
+
+    @property
+    def predicted_device_peak_bytes(self) -> int:
+        """The plan's device peak in the terms `device_peak_bytes` measures: on CUDA without the
+        workspace reserve (CUDA context, allocator slack), which the allocator does not report."""
+        peak = int(self.plan.predicted.peak_bytes.get("device", 0))
+        return max(0, peak - self.plan.hardware.workspace_bytes) if self.cuda and peak else peak
 
     def _step_adapters(self, scale: torch.Tensor | None, skip: bool = False) -> None:
         if self.adapter_opt is None:

@@ -152,10 +152,12 @@ class GradCapture:
 
 
 def reference_training(model, steps: int, lr: float, wd: float, max_norm: float | None, seed: int,
-                       fused: bool = True, device: str = "cpu", n_micro: int = 2):
+                       fused: bool = True, device: str = "cpu", n_micro: int = 2, grad_noise: float = 0.0):
     """Plain PyTorch: `steps` AdamW steps (betas 0.9/0.95) on a copy of `model`, each over the same
     `random_batches(n_micro, seed)` averaged over micro-batches, clipping when `max_norm`; returns
-    (the trained copy, the per-step losses)."""
+    (the trained copy, the per-step losses). `grad_noise` > 0 multiplies every gradient element by
+    (1 + grad_noise * N(0, 1)) before each update: a rounding-sized perturbation, to measure how
+    much the 20-step weights move from last-bit differences alone (their noise floor)."""
     import copy
 
     import torch
@@ -173,6 +175,11 @@ def reference_training(model, steps: int, lr: float, wd: float, max_norm: float 
             (loss / len(mbs)).backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+        if grad_noise:
+            gen = torch.Generator().manual_seed(len(losses))
+            for p in m.parameters():
+                noise = torch.randn(p.grad.shape, generator=gen).to(p.grad.device)
+                p.grad.mul_(1 + grad_noise * noise)
         opt.step()
         opt.zero_grad()
         losses.append(tot / len(mbs))

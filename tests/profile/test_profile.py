@@ -6,8 +6,9 @@ import yaml
 from lazytrain.cli import profile as cli
 from lazytrain.cli.config import config_dir, load_config, model_spec
 from lazytrain.profile.layers import measure_layers
-from lazytrain.profile.links import measure_copies, measure_disk
-from lazytrain.spec import HardwareSpec, MiB
+from lazytrain.profile.hardware import measured_spec
+from lazytrain.profile.links import CopyRates, measure_copies, measure_disk, measure_host_optimizer
+from lazytrain.spec import HardwareSpec, JobSpec, MiB
 
 
 def test_copy_and_disk_rates_are_measured(tmp_path):
@@ -18,6 +19,21 @@ def test_copy_and_disk_rates_are_measured(tmp_path):
     assert d.read_gbps > 0 and d.write_gbps > 0 and d.size_bytes == 8 * MiB
     assert d.direct == (d.reason == "O_DIRECT")
     assert not list(tmp_path.iterdir())  # the probe file is removed
+
+
+def test_host_optimizer_rate_sets_host_memory_gbps_on_a_gpu_machine():
+    rates = {bits: measure_host_optimizer(JobSpec(optimizer_state_bits=bits), numel=1 << 16, repeats=1)
+             for bits in (32, 8)}
+    assert all(0 < r < 1e4 for r in rates.values()), rates
+    base = HardwareSpec(name="base", device_type="cuda", device_memory_gib=24, host_memory_gib=64,
+                        nvme_capacity_gib=100, h2d_gbps=25, d2h_gbps=25, nvme_read_gbps=3,
+                        nvme_write_gbps=2, device_tflops=71, host_memory_gbps=60.0)
+    gpu = CopyRates("cuda", 50.0, 50.0, 10.0, 10.0, MiB)
+    cpu = CopyRates("cpu", None, None, 26.0, 26.0, MiB)
+    assert measured_spec(base, gpu, None, 100.0, None, rates[8]).host_memory_gbps == round(rates[8], 3)
+    assert measured_spec(base, gpu, None, 100.0, None, None).host_memory_gbps == 60.0   # not measured
+    # CPU-only: the copy rate stands for the update (the host is the device)
+    assert measured_spec(base, cpu, None, 1.0, None, rates[8]).host_memory_gbps == 26.0
 
 
 def test_layer_times_cover_every_planner_layer():

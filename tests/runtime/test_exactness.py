@@ -89,8 +89,20 @@ def test_twenty_steps_match_torch_adamw(family, plan_name, max_norm, fused, devi
         assert abs(a - b) <= 1e-5 * abs(b)
     got = ex.trainable_state()
     ref_sd = dict(ref.named_parameters())
-    worst = max(rel_err(got[n], ref_sd[n].detach().cpu()) for n in ref_sd)
-    assert worst <= REL, f"{family}/{plan_name}: weights after {steps} steps differ, rel {worst:.2e}"
+    tol = dict.fromkeys(ref_sd, REL)
+    if device == "cuda":
+        # The executor updates on the host (CPU AdamW) while this reference updates on the GPU, so
+        # the two differ in the last bits, and 20 Adam steps amplify that where a gradient is tiny
+        # and changes sign: Qwen2's k_proj.bias moves 1.3e-4 (rel) from a 1e-7 perturbation, every
+        # weight matrix < 1.3e-6 (measured on CPU). There, per parameter, the bound is 8x the
+        # spread the reference itself shows under such a perturbation (its noise floor).
+        noisy, _ = reference_training(model, steps, lr, wd, max_norm, seed=100, fused=fused,
+                                      device=device, grad_noise=2.0**-23)
+        noisy_sd = dict(noisy.named_parameters())
+        tol = {n: max(REL, 8 * rel_err(noisy_sd[n].detach().cpu(), ref_sd[n].detach().cpu())) for n in ref_sd}
+    errs = {n: rel_err(got[n], ref_sd[n].detach().cpu()) for n in ref_sd}
+    bad = {n: f"{e:.2e} > {tol[n]:.2e}" for n, e in errs.items() if e > tol[n]}
+    assert not bad, f"{family}/{plan_name}: weights after {steps} steps differ: {bad}"
     assert ref_losses[-1] < ref_losses[0]   # the run actually trained
     ex.close()
 
