@@ -68,7 +68,7 @@ def make_plan(a: argparse.Namespace, batch: int, tier: str, frugal: bool = False
     if frugal:  # the max-batch column: the device budget is the whole memory limit (same RAM here)
         hw = dataclasses.replace(hw, device_memory_gib=a.mem_limit_gib)
     model = ModelSpec.from_hf_config(model_config(a), name="bench-llama")
-    job = JobSpec(batch_size=batch, seq_len=a.seq, mode="full", compute_dtype="bf16")
+    job = JobSpec(batch_size=batch, seq_len=a.seq, mode="full", compute_dtype="bf16", clip_grad=True)
     plan = plan_job(model, hw, job, PlannerOptions(time_limit_s=20), cache_dir=str(ROOT / "solver_cache"))
     if not plan.fits:
         raise RuntimeError("; ".join(plan.explanation))

@@ -49,6 +49,7 @@ class JobCosts:
     device_capacity_bytes: int
     nvme_capacity_bytes: int
     trains_base: bool         # full fine-tuning (grads and optimizer for every layer)
+    clip_grad: bool = False   # updates wait for the global gradient norm (plan/ops.update_window)
 
     @property
     def blocks(self) -> tuple[LayerCost, ...]:
@@ -120,5 +121,5 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         tokens_per_micro_batch=tokens, device_static_bytes=device_static,
         host_static_bytes=0, host_capacity_bytes=host_capacity,
         device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
-        trains_base=full,
+        trains_base=full, clip_grad=job.clip_grad,
     )

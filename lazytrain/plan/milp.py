@@ -31,7 +31,8 @@ import pulp
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, weight_parts
+from .ops import (BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, update_window,
+                  weight_parts)
 
 
 
@@ -299,13 +300,14 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                     res[k_g]["nvme_read"] += c.grad_store_bytes * g[j, "nvme"]
                     res[k_g]["nvme_write"] += c.grad_store_bytes * g[j, "nvme"]
                 if final:
+                    k_u = update_window(L, j, k_b, costs.clip_grad)
                     key = "optimizer" if hw.optimizer_overlaps_compute else "compute"
-                    res[k_g][key] += c.optimizer_s
+                    res[k_u][key] += c.optimizer_s
                     if (j, "nvme") in o:
-                        res[k_g]["nvme_read"] += c.optimizer_bytes * o[j, "nvme"]
-                        res[k_g]["nvme_write"] += c.optimizer_bytes * o[j, "nvme"]
-                    res[k_g]["nvme_write"] += c.param_store_bytes * pv(j, "nvme")
-                    res[k_g]["h2d"] += c.param_store_bytes * pv(j, "device")
+                        res[k_u]["nvme_read"] += c.optimizer_bytes * o[j, "nvme"]
+                        res[k_u]["nvme_write"] += c.optimizer_bytes * o[j, "nvme"]
+                    res[k_u]["nvme_write"] += c.param_store_bytes * pv(j, "nvme")
+                    res[k_u]["h2d"] += c.param_store_bytes * pv(j, "device")
         return res
 
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,

@@ -71,6 +71,18 @@ def after(num_blocks: int, k: int) -> int:
     return min(k + 1, K - 1)
 
 
+def update_window(num_blocks: int, j: int, k_backward: int, clip_grad: bool) -> int:
+    """Window of layer j's optimizer update and the I/O that goes with it. Without clipping the
+    executor updates a layer as soon as its gradients have landed: the window after its backward.
+    With clipping every update waits for the global norm, known after the whole backward; they
+    then run first layers first, while the next step's forward runs, and layer j's forward waits
+    for its own: the embedding's at the end of the backward (the last window, drained in place),
+    layer j's during the forward of layer j - 1 (in steady state, the same cycle)."""
+    if not clip_grad:
+        return after(num_blocks, k_backward)
+    return fwd_window(num_blocks, j - 1) if j >= 1 else 2 * num_blocks + 2
+
+
 def grads_in_flight(costs, first: int, last: int) -> int:
     """Most weight-gradient bytes on the device while layers last..first run backward (in that
     order): a layer's own and the previous one's (the layer after it), which may still be leaving

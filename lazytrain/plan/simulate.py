@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, weight_parts
+from .ops import (BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, update_window,
+                  weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -111,15 +112,16 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
                 items[k_g].append(("nvme_read", "nvme_read", c.name, "grads", c.grad_store_bytes))
                 items[k_g].append(("nvme_write", "nvme_write", c.name, "grads", c.grad_store_bytes))
             if final:
+                k_u = update_window(L, j, k_b, costs.clip_grad)
                 res = "optimizer" if overlap else "compute"
-                items[k_g].append((res, "optimizer", c.name, "", c.optimizer_s))
+                items[k_u].append((res, "optimizer", c.name, "", c.optimizer_s))
                 if a.optimizer_tier[j] == "nvme":
-                    items[k_g].append(("nvme_read", "nvme_read", c.name, "optimizer_state", c.optimizer_bytes))
-                    items[k_g].append(("nvme_write", "nvme_write", c.name, "optimizer_state", c.optimizer_bytes))
+                    items[k_u].append(("nvme_read", "nvme_read", c.name, "optimizer_state", c.optimizer_bytes))
+                    items[k_u].append(("nvme_write", "nvme_write", c.name, "optimizer_state", c.optimizer_bytes))
                 if a.param_tier[j] == "nvme":
-                    items[k_g].append(("nvme_write", "nvme_write", c.name, "params", c.param_store_bytes))
+                    items[k_u].append(("nvme_write", "nvme_write", c.name, "params", c.param_store_bytes))
                 elif a.param_tier[j] == "device":
-                    items[k_g].append(("h2d", "h2d", c.name, "params", c.param_store_bytes))
+                    items[k_u].append(("h2d", "h2d", c.name, "params", c.param_store_bytes))
     return items
 
 

@@ -85,6 +85,8 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
     """(JobSpec, max_steps): `job.max_steps` is the recipe's, the rest is the planner's JobSpec."""
     d = OmegaConf.to_container(cfg.job, resolve=True)
     max_steps = int(d.pop("max_steps", 0) or 0)
+    if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping
+        d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None
     if max_steps < 1:
         raise ConfigError(f"job.max_steps must be >= 1, got {max_steps}")
     try:

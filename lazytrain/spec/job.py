@@ -23,6 +23,8 @@ class JobSpec:
     compute_dtype: str = "bf16"
     master_dtype: str = "fp32"
     optimizer_state_bits: int = 32      # 32 or 8
+    clip_grad: bool = False             # gradient clipping: updates wait for the global norm, i.e.
+                                        # run after the whole backward, overlapping the next forward
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "lora"):

@@ -33,6 +33,7 @@ def _random_problem(rng: random.Random, llama, hw, tied: bool = False):
            device_tflops=rng.uniform(0.5, 50), host_memory_gib=rng.choice([1.0, 64.0]),
            host_reserve_gib=0.0, optimizer_overlaps_compute=rng.random() < 0.7,
            nvme_full_duplex=rng.random() < 0.5)
+    job = replace(job, clip_grad=rng.random() < 0.5)
     return model, h, job
 
 
@@ -151,3 +152,36 @@ def test_half_duplex_drive_serialises_reads_and_writes(make_llama, make_hw):
         times[duplex] = tl.step_time_s
     # NVMe-bound: the optimizer state is read and written back in the same windows
     assert times[False] > 1.3 * times[True]
+
+
+def test_clipped_updates_wait_for_the_backward_and_overlap_the_next_forward(make_llama, make_hw):
+    """With clipping every update waits for the global norm: the simulator runs them after the
+    backward, layer j's during the forward of layer j - 1 (each done before its layer's forward),
+    the embedding's at the end; without, right after each layer's backward. An optimizer-bound
+    job (an update takes longer than a layer's forward) is slower clipped: the
+    updates hide behind the forwards, not the longer backwards. The MILP agrees."""
+    from lazytrain.plan.ops import bwd_window
+
+    model = make_llama(layers=4, hidden=256, inter=768, vocab=512, heads=4, kv=4)
+    h = make_hw(device_memory_gib=100, device_tflops=0.05, host_memory_gbps=1, optimizer_overlaps_compute=True)
+    L, times = model.num_layers, {}
+    for clip in (False, True):
+        job = JobSpec(batch_size=1, seq_len=128, mode="full", clip_grad=clip)
+        costs = job_costs(model, h, job)
+        r = solve_milp(costs, h, pins=Pins(param_tier=("device",) * (L + 2)), time_limit_s=20)
+        tl = simulate(costs, r.assignment, h)
+        assert _close(r.objective_s, tl.step_time_s)
+        times[clip] = tl.step_time_s
+        ev = {(e.kind, e.layer): e for e in tl.events if e.micro_batch == 0}
+        bwd_end = max(e.end_s for e in tl.events if e.kind == "compute_bwd")
+        for j, c in enumerate(costs.layers):
+            opt = ev["optimizer", c.name]
+            if not clip:
+                assert opt.start_s >= ev["compute_bwd", c.name].end_s - 1e-12
+            elif j == 0:
+                assert opt.start_s >= ev["compute_bwd", c.name].start_s   # the last window
+            else:
+                assert opt.end_s <= ev["compute_fwd", c.name].start_s + 1e-12   # before its forward
+                assert opt.start_s >= ev["compute_fwd", costs.layers[j - 1].name].start_s - 1e-12
+        assert bwd_end > 0 and bwd_window(L, 0) == 2 * L + 2
+    assert times[True] > 1.1 * times[False]
