@@ -6,7 +6,9 @@ The plan is bench_vs_deepspeed's NVMe-tier plan (220M Llama, seq 256, batch 1, p
 optimizer state pinned to NVMe, clipping 1.0). The hardware profile is measured in-process, as
 `lazytrain profile` does (copies, O_DIRECT read/write, bf16 matmul, this model's layers). The plan
 is simulated with the drive modelled half-duplex (the default: reads and writes share it) and
-full-duplex, then run by the executor. The table is printed last.
+full-duplex, with clipped updates (after the backward, as the executor runs them here) and, for
+comparison, as if each layer's update followed its backward; then run by the executor. The table
+is printed last.
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ def run(args: argparse.Namespace, nvme_dir: str) -> None:
     print(f"measured: NVMe read {measured.nvme_read_gbps:.2f} / write {measured.nvme_write_gbps:.2f} GB/s, "
           f"matmul {measured.device_tflops * 1e3:.0f} GFLOP/s x {measured.efficiency:.2f}", flush=True)
     pred = {}
-    for duplex in (False, True):
+    for duplex, clip in ((False, True), (True, True), (False, False)):
         hw = dataclasses.replace(measured, nvme_full_duplex=duplex)
-        pred[duplex] = simulate(job_costs(spec, hw, job), assignment_of(plan), hw,
-                                plan.options.prefetch_depth).step_time_s
+        pred[duplex, clip] = simulate(job_costs(spec, hw, dataclasses.replace(job, clip_grad=clip)),
+                                      assignment_of(plan), hw, plan.options.prefetch_depth).step_time_s
     model = bs.build_model(argparse.Namespace(hidden=a.hidden, intermediate=a.intermediate, layers=a.layers,
                                               vocab=a.vocab))
     ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=nvme_dir, lr=1e-4, max_grad_norm=1.0)
@@ -81,8 +83,10 @@ def run(args: argparse.Namespace, nvme_dir: str) -> None:
     print(f"{'NVMe-tier plan, 220M Llama':<44}{'step s':>8}{'vs measured':>14}")
     print("-" * 66)
     print(f"{'measured (median of ' + str(args.steps) + ')':<44}{m:>8.2f}{'':>14}")
-    for duplex, label in ((False, "predicted, half-duplex drive (default)"), (True, "predicted, full-duplex drive")):
-        print(f"{label:<44}{pred[duplex]:>8.2f}{(pred[duplex] - m) / m * 100:>+13.0f}%")
+    for key, label in (((False, True), "predicted, half-duplex drive (default)"),
+                       ((True, True), "predicted, full-duplex drive"),
+                       ((False, False), "predicted, half-duplex, updates not clipped")):
+        print(f"{label:<44}{pred[key]:>8.2f}{(pred[key] - m) / m * 100:>+13.0f}%")
 
 
 if __name__ == "__main__":

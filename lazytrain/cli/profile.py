@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f", {copies.d2h_pinned_gbps:.1f} pinned" if copies.d2h_pinned_gbps else ""), flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as d:
         disk = measure_disk(args.nvme_dir or d, size, repeats=max(1, args.repeats // 2))
-    print(f"  NVMe ({disk.reason}) read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s", flush=True)
+    print(f"  NVMe ({disk.reason}) read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s; "
+          f"read while writing: {disk.duplex_overlap:.0%} of the possible overlap "
+          f"({'full' if disk.duplex_overlap >= 0.5 else 'half'}-duplex)", flush=True)
     peak = measure_matmul_tflops(DTYPES[dtype], device)   # the dtype the layers are timed in
     print(f"  matmul peak {peak * 1e3:.0f} GFLOP/s ({dtype})", flush=True)
     layers = None

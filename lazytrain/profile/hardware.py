@@ -45,6 +45,8 @@ def measured_spec(base: HardwareSpec, copies: CopyRates, disk: DiskRates | None,
     if disk is not None:
         upd.update(nvme_read_gbps=round(disk.read_gbps, 3), nvme_write_gbps=round(disk.write_gbps, 3),
                    nvme_capacity_gib=round(disk.free_bytes / 2**30, 1))
+        if disk.duplex_overlap is not None:   # the model is one or the other: the nearer one
+            upd["nvme_full_duplex"] = disk.duplex_overlap >= 0.5
     mem = host_memory_gib()
     if mem:
         upd["host_memory_gib"] = round(mem, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ class DiskRates:
     write_gbps: float         # including fsync
     size_bytes: int
     free_bytes: int           # free space in the directory's filesystem
+    duplex_overlap: float | None = None   # reading one file while writing another: 0 = the two
+                              # take as long as one after the other (a half-duplex drive), 1 = as
+                              # long as the slower alone (full duplex); None: not measured
 
 
 def _median_gbps(fn, nbytes: int, repeats: int, sync=lambda: None) -> float:
@@ -77,19 +81,24 @@ def measure_copies(size_bytes: int = 256 * MiB, repeats: int = 5,
 
 def measure_disk(directory: str | Path, size_bytes: int = 256 * MiB, repeats: int = 3,
                  chunk_bytes: int = 16 * MiB) -> DiskRates:
-    """Sequential write (+fsync) and cold read of one file in `directory`, O_DIRECT where allowed."""
+    """Sequential write (+fsync) and cold read of one file in `directory`, O_DIRECT where allowed;
+    then the read again while a second file is written, to see whether the drive overlaps the two
+    (the planner's `nvme_full_duplex`)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f".lazytrain-profile-{os.getpid()}.bin"
+    path2 = d / f".lazytrain-profile-{os.getpid()}-w.bin"
     chunk = round_up(chunk_bytes)
     n = max(chunk, size_bytes // chunk * chunk)
     buf = aligned_empty(chunk)
     buf.fill_(7)
+    buf2 = aligned_empty(chunk)
+    buf2.fill_(3)
     try:
         f = DirectFile(path, "w", size_bytes=n)
         direct, reason = f.direct, f.reason
 
-        def write() -> None:
+        def write(f=f, buf=buf) -> None:
             for off in range(0, n, chunk):
                 f.write_from(buf, off)
             f.fsync()
@@ -108,13 +117,27 @@ def measure_disk(directory: str | Path, size_bytes: int = 256 * MiB, repeats: in
             t0 = time.perf_counter()
             read()
             r_times.append(time.perf_counter() - t0)
+        f2 = DirectFile(path2, "w", size_bytes=n)
+        write(f2, buf2)   # allocate its blocks
+        c_times = []
+        for _ in range(repeats):
+            drop_page_cache(path)
+            reader = threading.Thread(target=read)
+            t0 = time.perf_counter()
+            reader.start()
+            write(f2, buf2)
+            reader.join()
+            c_times.append(time.perf_counter() - t0)
+        f2.close()
         f.close()
     finally:
         path.unlink(missing_ok=True)
-    return DiskRates(path=str(d), direct=direct, reason=reason,
-                     read_gbps=n / statistics.median(r_times) / GB,
-                     write_gbps=n / statistics.median(w_times) / GB, size_bytes=n,
-                     free_bytes=shutil.disk_usage(d).free)
+        path2.unlink(missing_ok=True)
+    tr, tw, tc = (statistics.median(t) for t in (r_times, w_times, c_times))
+    overlap = ((tr + tw) - tc) / max(1e-12, min(tr, tw))   # saved time / the most that could be
+    return DiskRates(path=str(d), direct=direct, reason=reason, read_gbps=n / tr / GB,
+                     write_gbps=n / tw / GB, size_bytes=n, free_bytes=shutil.disk_usage(d).free,
+                     duplex_overlap=round(min(1.0, max(0.0, overlap)), 3))
 
 
 def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,

@@ -18,7 +18,23 @@ def test_copy_and_disk_rates_are_measured(tmp_path):
     d = measure_disk(tmp_path, 8 * MiB, repeats=1, chunk_bytes=1 * MiB)
     assert d.read_gbps > 0 and d.write_gbps > 0 and d.size_bytes == 8 * MiB
     assert d.direct == (d.reason == "O_DIRECT")
-    assert not list(tmp_path.iterdir())  # the probe file is removed
+    assert d.duplex_overlap is not None and 0.0 <= d.duplex_overlap <= 1.0
+    assert not list(tmp_path.iterdir())  # the probe files are removed
+
+
+def test_measured_drive_duplex_sets_the_planner_mode():
+    from lazytrain.profile.links import DiskRates
+
+    base = HardwareSpec(name="base", device_type="cpu", device_memory_gib=4, host_memory_gib=16,
+                        nvme_capacity_gib=100, h2d_gbps=25, d2h_gbps=25, nvme_read_gbps=3,
+                        nvme_write_gbps=2, device_tflops=1, nvme_full_duplex=True)
+    cpu = CopyRates("cpu", None, None, 26.0, 26.0, MiB)
+
+    def disk(overlap):
+        return DiskRates("/x", True, "O_DIRECT", 1.8, 1.4, MiB, 10 * MiB, duplex_overlap=overlap)
+    assert measured_spec(base, cpu, disk(0.1), 1.0, None).nvme_full_duplex is False
+    assert measured_spec(base, cpu, disk(0.8), 1.0, None).nvme_full_duplex is True
+    assert measured_spec(base, cpu, disk(None), 1.0, None).nvme_full_duplex is True   # base kept
 
 
 def test_host_optimizer_rate_sets_host_memory_gbps_on_a_gpu_machine():
