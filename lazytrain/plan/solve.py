@@ -225,6 +225,9 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
     if costs.trains_base:
         ot = Counter(d.optimizer_tier for d in plan.layers)
         lines.append("optimizer state (fp32 master + moments): " + ", ".join(f"{n} on {t}" for t, n in sorted(ot.items())))
+        lines.append("updates wait for the clipping norm: they run after the backward, overlapping the next "
+                     "forward (job.clip_grad)" if costs.clip_grad else
+                     "updates follow each layer's backward (no clipping: job.clip_grad=false)")
     # what bounds the step: sum of time per resource over the step
     busy: Counter = Counter()
     for ev in tl.events:
