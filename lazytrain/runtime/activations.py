@@ -10,6 +10,7 @@ masks).
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ class _Rec:
 class _LayerActs:
     recs: list[_Rec] = field(default_factory=list)
     kept_storages: dict[int, tuple[int, str]] = field(default_factory=dict)  # ptr -> (bytes, kind)
+    kept_recs: list[int] = field(default_factory=list)   # storage ptrs of device-tier save()s
     file: DirectFile | None = None
     file_bytes: int = 0
 
@@ -77,6 +79,8 @@ class ActivationStore:
         self.pool = pool
         self.names = layer_names
         self.layers: dict[int, _LayerActs] = {}
+        # storage ptr -> how many device-tier saves of live layers reference it (protected())
+        self._protected: Counter[int] = Counter()
         self.resident_ptrs: set[int] = set()
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -112,6 +116,7 @@ class ActivationStore:
                 if sp not in la.kept_storages:
                     nb = t.untyped_storage().nbytes()
                     la.kept_storages[sp] = (nb, kind)
+                    self._protected[sp] += 1
                     self.acct.alloc(nb, kind)
                 return ("keep", t.detach())
             return ("rec", self._save(layer, tier, t))
@@ -134,18 +139,22 @@ class ActivationStore:
             rec = _Rec("device", layer, tuple(t.shape), tuple(t.stride()), t.dtype, t.nbytes, dev=t.detach())
             rec.counted = t.nbytes
             self.acct.alloc(rec.counted, kind)
+            self.layers[layer].kept_recs.append(t.untyped_storage().data_ptr())
+            self._protected[self.layers[layer].kept_recs[-1]] += 1
             self.layers[layer].recs.append(rec)
             return rec
         return self._save(layer, tier, t)
 
-    def protected(self) -> set[int]:
-        """Storages that device-tier saves still reference (must not be freed early)."""
-        out: set[int] = set()
-        for la in self.layers.values():
-            out.update(la.kept_storages)
-            out.update(r.dev.untyped_storage().data_ptr() for r in la.recs
-                       if r.tier == "device" and r.dev is not None)
-        return out
+    def protected(self) -> Counter[int]:
+        """Storages that device-tier saves of live layers still reference (must not be freed
+        early): `ptr in protected()`. Kept up to date as saves are made and layers released."""
+        return self._protected
+
+    def _unprotect(self, ptrs) -> None:
+        for sp in ptrs:
+            self._protected[sp] -= 1
+            if self._protected[sp] <= 0:
+                del self._protected[sp]
 
     def end_forward(self, layer: int) -> None:
         """The layer's forward is done: originals of offloaded tensors may now be freed."""
@@ -300,6 +309,8 @@ class ActivationStore:
                 rec.write.result()  # surface write errors; the file is reused next micro-batch
         for nb, kind in la.kept_storages.values():
             self.acct.free(nb, kind)
+        self._unprotect(la.kept_storages)
+        self._unprotect(la.kept_recs)
         if la.file is not None:
             la.file.close()
 
