@@ -183,9 +183,10 @@ class StreamingEngine:
         return _stats(self.ex.train_step(list(micro_batches)))
 
     def set_lr(self, lr: float) -> None:
-        # The executor's per-layer updates of the previous step may still be queued and read the lr
-        # when they run; let them finish first so each step uses its own lr (exact resume).
-        self.ex.wait()
+        # Updates of the previous step may still be queued (on CUDA they overlap the next
+        # forward): each took a copy of the hyper-parameters when it was queued, so they keep
+        # their own step's lr (test_executor: queued updates keep their step's lr). Waiting here
+        # would serialise them with the next step, outside its timing.
         self.ex.set_lr(lr)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

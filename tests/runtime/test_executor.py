@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -382,3 +383,27 @@ def test_nvme_state_read_ahead_on_an_optimizer_thread(tmp_path, clip):
         runs.append([ex.train_step(random_batches(2, seed=s)).loss for s in range(5)])
         ex.close()
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_queued_updates_keep_their_steps_lr(clip):
+    """Updates on their own thread (as on CUDA) may still be queued when the next step's lr is
+    set; each uses its own step's lr: the same losses and weights as inline updates, with the lr
+    changed before every step and no wait in between (what `lazytrain train` does)."""
+    model = tiny_model("llama")
+    plan = hand_plan(3, param_tier="host")
+    runs = []
+    for overlap in (False, True):
+        ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", lr=1e-3, max_grad_norm=clip,
+                               overlap_optimizer=overlap)
+        if overlap:   # slow updates: still queued when the next lr is set
+            real = ex._update
+            ex._update = lambda *a, real=real: (time.sleep(0.02), real(*a))[1]
+        losses = []
+        for s in range(6):
+            ex.set_lr(1e-3 * (1 + 3 * (s % 2)))   # alternates 1e-3 / 4e-3: a late read shows
+            losses.append(ex.train_step(random_batches(2, seed=s)).loss)
+        runs.append((losses, ex.trainable_state()))
+        ex.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
