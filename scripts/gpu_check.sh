@@ -2,16 +2,19 @@
 # One prepared device check for a lent CUDA machine: the `gpu` tests, the CUDA benchmark, then
 # `lazytrain profile` + two short `lazytrain train` runs on the GPU (whole budget; a budget that
 # forces streaming and recompute) reporting predicted vs measured step time and device peak.
-# Ends with a short table. Usage: bash scripts/gpu_check.sh   (logs, traces in $GPU_CHECK_DIR or
-# /tmp/gpu_check)
+# Ends with a short table. Usage: bash scripts/gpu_check.sh
+# Logs (7 files) go to $GPU_CHECK_DIR, else $OUT (the device tool's folder), else /tmp/gpu_check;
+# the runs' own output dirs (traces, checkpoints) to /tmp/gpu_check_runs.
 #
 # Without .venv (a bare machine with CUDA torch and no network): uses python3 with this checkout on
 # PYTHONPATH, after installing the wheels in .whl/ (pulp, highspy, hydra-core, omegaconf, antlr4),
 # if present, into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR="${GPU_CHECK_DIR:-/tmp/gpu_check}"
-mkdir -p "$OUTDIR"
+OUTDIR="${GPU_CHECK_DIR:-${OUT:-/tmp/gpu_check}}"
+RUNS=/tmp/gpu_check_runs
+mkdir -p "$OUTDIR" "$RUNS"
+rm -f "$OUTDIR/status.txt"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -x .venv/bin/python ]; then
   PY=.venv/bin/python
@@ -26,7 +29,7 @@ else
   fi
 fi
 LT="$PY -m lazytrain.cli.main"
-$PY - <<'PY' 2>&1 | tee "$OUTDIR/env.txt"
+$PY - <<'PY' 2>&1 | tee "$OUTDIR/status.txt"
 import torch, transformers, sys
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
@@ -49,25 +52,26 @@ M="${GPU_CHECK_MODEL:-model=small-llama model.hf_config.hidden_size=1024 model.h
    model.hf_config.num_key_value_heads=16 job.batch_size=8 job.seq_len=512}"
 BASE="${GPU_CHECK_BASE:-h200}"
 echo "== profile"
-timeout -k 5 60 $LT profile hardware=$BASE $M --repeats 3 --size-mib 128 --out "$OUTDIR/measured.yaml" \
+timeout -k 5 60 $LT profile hardware=$BASE $M --repeats 3 --size-mib 128 --out "$RUNS/measured.yaml" \
   > "$OUTDIR/profile.txt" 2>&1
 status_prof=$?
 tail -8 "$OUTDIR/profile.txt"
 HW="hardware=$BASE"
-if [ $status_prof -eq 0 ] && [ -f "$OUTDIR/measured.yaml" ]; then
-  cp "$OUTDIR/measured.yaml" configs/hardware/measured.yaml && HW="hardware=measured"
-  [ -f "$OUTDIR/measured.profile.json" ] && cp "$OUTDIR/measured.profile.json" configs/hardware/
+if [ $status_prof -eq 0 ] && [ -f "$RUNS/measured.yaml" ]; then
+  cp "$RUNS/measured.yaml" "$OUTDIR/measured.yaml"
+  cp "$RUNS/measured.yaml" configs/hardware/measured.yaml && HW="hardware=measured"
+  cp "$RUNS/measured.profile.json" configs/hardware/ 2>/dev/null
 fi
 run_train() {  # name, extra overrides...
   local name=$1; shift
   echo "== train ($name)"
   timeout -k 5 "${TRAIN_S:-55}" $LT train $HW $M data=demo job.max_steps=15 progress=false save_every=0 \
-    save_final_model=false output_dir="$OUTDIR/lt-$name" "$@" > "$OUTDIR/train_$name.txt" 2>&1
+    save_final_model=false output_dir="$RUNS/lt-$name" "$@" > "$OUTDIR/train_$name.txt" 2>&1
   local rc=$?
   grep -E "busy time per resource|device peak .* budget" "$OUTDIR/train_$name.txt" | head -2
   tail -4 "$OUTDIR/train_$name.txt"
   # what the trace saw per step (median over steps 2..): host-side spans per kind
-  $PY - "$OUTDIR/lt-$name/trace.jsonl" <<'PY' 2>&1 | tail -2
+  $PY - "$RUNS/lt-$name/trace.jsonl" <<'PY' 2>&1 | tail -2 | tee -a "$OUTDIR/train_$name.txt"
 import collections, json, statistics, sys
 per = collections.defaultdict(lambda: collections.defaultdict(float))
 span = collections.defaultdict(lambda: [1e18, 0.0])
@@ -85,14 +89,14 @@ PY
 run_train whole
 # the tight run uses 8-bit states: plan it with the host update rate measured for them
 OPT8=$($PY -c "from lazytrain.profile.links import measure_host_optimizer as m; from lazytrain.spec import JobSpec
-print(round(m(JobSpec(optimizer_state_bits=8), repeats=3), 2))" 2>/dev/null | tail -1)
+print(round(m(JobSpec(optimizer_state_bits=8), repeats=3), 2))" 2>>"$OUTDIR/status.txt" | tail -1)
 echo "host 8-bit update: ${OPT8:-?} GB/s of optimizer traffic"
 run_train tight hardware.device_memory_gib=0.8 hardware.workspace_gib=0.25 job.optimizer_state_bits=8 \
   ${OPT8:+hardware.host_memory_gbps=$OPT8}
 
 echo
 echo "check            result"
-echo "gpu tests        $(grep -E "(passed|failed|skipped|error)[^\n]* in [0-9.]+s" "$OUTDIR/gpu_tests.txt" | tail -1) (rc=$status_tests)"
+echo "gpu tests        $(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUTDIR/gpu_tests.txt" | tail -1) (rc=$status_tests)"
 echo "bench_gpu        rc=$status_bench"
 echo "profile          rc=$status_prof ($HW)"
 cat "$OUTDIR/status.txt" 2>/dev/null

@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
           + (f", {copies.d2h_pinned_gbps:.1f} pinned" if copies.d2h_pinned_gbps else ""), flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as d:
         disk = measure_disk(args.nvme_dir or d, size, repeats=max(1, args.repeats // 2))
+    duplex = ("not measured (no O_DIRECT): nvme_full_duplex kept from the base profile"
+              if disk.duplex_overlap is None else f"{disk.duplex_overlap:.0%} of the possible overlap "
+              f"({'full' if disk.duplex_overlap >= 0.5 else 'half'}-duplex)")
     print(f"  NVMe ({disk.reason}) read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s; "
-          f"read while writing: {disk.duplex_overlap:.0%} of the possible overlap "
-          f"({'full' if disk.duplex_overlap >= 0.5 else 'half'}-duplex)", flush=True)
+          f"read while writing: {duplex}", flush=True)
     peak = measure_matmul_tflops(DTYPES[dtype], device)   # the dtype the layers are timed in
     print(f"  matmul peak {peak * 1e3:.0f} GFLOP/s ({dtype})", flush=True)
     layers = None
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = measured_spec(base, copies, disk, peak, layers, opt_gbps)
     out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
     write_profile(spec, out, details_dict(copies, disk, peak, layers, mspec.name,
-                                          int(cfg.job.batch_size), int(cfg.job.seq_len), dtype, opt_gbps))
+                                          int(cfg.job.batch_size), int(cfg.job.seq_len), dtype, opt_gbps,
+                                          job.optimizer_state_bits))
     print(f"wrote {out} (efficiency {spec.efficiency:.2f}); plan with hardware=measured")
     return 0

@@ -85,7 +85,9 @@ def _device_consts(device: torch.device, h: dict[str, float], clip: float) -> tu
     """The hyper-parameter row and clip coefficients as device tensors, made once per distinct
     value (one per step and group, not one per tensor) from pinned memory: a copy from pageable
     memory would make the host wait for every kernel queued before it."""
-    key = (device, *(h[k] for k in HYPER_FIELDS), clip)
+    # per stream too: a tensor made on one stream may not have landed yet when another reads it
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (device, stream, *(h[k] for k in HYPER_FIELDS), clip)
     c = _consts.get(key)
     if c is None:
         if len(_consts) >= 64:

@@ -19,9 +19,13 @@ window prefetches the next step's first layer):
   it comes back in the window before the backward op that needs it (+ nvme_read, h2d);
 - a block's gradients leave in the window after its backward (d2h); with gradient accumulation on
   NVMe they are read, summed and written back there;
-- in the last micro-batch of a step the host optimizer updates a layer in the window after its
-  backward (CPU time; NVMe-resident state is read and written back; new weights go back to their
-  tier). The embedding's update rides in the last window.
+- in the last micro-batch of a step the host optimizer updates a layer (CPU time; NVMe-resident
+  state is read and written back; new weights go back to their tier) in the window after its
+  backward; with gradient clipping (`job.clip_grad`) updates wait for the global norm, so layer
+  j's runs in the window of F_{j-1} (the next step's forward, cyclically) and the embedding's in
+  the last window (`update_window`). Approximations: the embedding's clipped update overlaps
+  B_0 here but follows it (and the norm) in the executor, and a streamed layer's fetch waits for
+  its update, which the window overlaps with it; both are small next to a block's update.
 """
 
 from __future__ import annotations

@@ -73,10 +73,13 @@ def write_profile(spec: HardwareSpec, yaml_path: Path, details: dict[str, Any]) 
 
 def details_dict(copies: CopyRates, disk: DiskRates | None, peak_tflops: float,
                  layers: list[LayerTime] | None, model_name: str, batch_size: int,
-                 seq_len: int, compute_dtype: str, host_optimizer_gbps: float | None = None) -> dict[str, Any]:
+                 seq_len: int, compute_dtype: str, host_optimizer_gbps: float | None = None,
+                 optimizer_state_bits: int | None = None) -> dict[str, Any]:
     return {
         "copies": asdict(copies), "disk": disk and asdict(disk), "matmul_peak_tflops": peak_tflops,
-        "host_optimizer_gbps": host_optimizer_gbps,
+        # host_memory_gbps on a GPU machine: a timed update with these optimizer states (a profile
+        # taken for 32-bit states misjudges an 8-bit job's update and vice versa)
+        "host_optimizer_gbps": host_optimizer_gbps, "host_optimizer_state_bits": optimizer_state_bits,
         "model": model_name, "batch_size": batch_size, "seq_len": seq_len,
         "compute_dtype": compute_dtype,
         "layers": [asdict(lt) for lt in layers or []],

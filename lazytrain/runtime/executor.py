@@ -171,9 +171,10 @@ class StreamingExecutor:
         # compared with leaves out the plan's workspace reserve, which is no allocation of ours.
         self._foreign_bytes = 0
         if self.cuda:
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
             own = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
-                      if t.device.type == "cuda" and t.device.index in (None, self.device.index or 0))
-            self._foreign_bytes = max(0, torch.cuda.memory_allocated(self.device) - own)
+                      if t.device.type == "cuda" and t.device.index == idx)
+            self._foreign_bytes = max(0, torch.cuda.memory_allocated(idx) - own)
         self.pool = IOPool(workers=2)
         # Host-side gradient accumulation and optimizer updates run on their own thread, overlapped
         # with the device's compute. When the CPU is the device the same cores would run both (the
