@@ -278,3 +278,14 @@ def test_multi_process_launch_needs_deepspeed(base_overrides, tmp_path, capsys, 
     rc, io = _main([*base_overrides, "engine=lazytrain", f"output_dir={out}"], capsys)
     assert rc == 2 and "WORLD_SIZE=2" in io.err and "engine=deepspeed" in io.err
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_plan_clipping_follows_the_runs_max_grad_norm(base_overrides):
+    """The plan's update timing (job.clip_grad) is the run's: on with optim.max_grad_norm set,
+    off with it null, whatever job.clip_grad says."""
+    from lazytrain.cli.config import load_config
+    from lazytrain.recipes.train import job_spec_of
+    base = [o for o in base_overrides if not o.startswith("data")]
+    assert job_spec_of(load_config(base + ["optim.max_grad_norm=1.0", "job.clip_grad=false"],
+                                   config_name="train"))[0].clip_grad is True
+    assert job_spec_of(load_config(base + ["optim.max_grad_norm=null"], config_name="train"))[0].clip_grad is False
