@@ -3,12 +3,16 @@
 # `lazytrain profile` + two short `lazytrain train` runs on the GPU (whole budget; a budget that
 # forces streaming and recompute) reporting predicted vs measured step time and device peak.
 # Ends with a short table. Usage: bash scripts/gpu_check.sh
-# Logs (7 files) go to $GPU_CHECK_DIR, else $OUT (the device tool's folder), else /tmp/gpu_check;
+# Logs (8 files) go to $GPU_CHECK_DIR, else $OUT (the device tool's folder), else /tmp/gpu_check;
 # the runs' own output dirs (traces, checkpoints) to /tmp/gpu_check_runs.
 #
 # Without .venv (a bare machine with CUDA torch and no network): uses python3 with this checkout on
 # PYTHONPATH, after installing the wheels in .whl/ (pulp, highspy, hydra-core, omegaconf, antlr4),
-# if present, into /tmp/site.
+# if present, into /tmp/site. .whl/ is git-ignored: the device tool must carry it (carry: [".whl"]);
+# fetch them for the machine's Python first, e.g. for 3.12:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform any -d .whl pulp==3.3.2 hydra-core==1.3.8 omegaconf==2.3.1 highspy
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${GPU_CHECK_DIR:-${OUT:-/tmp/gpu_check}}"
@@ -21,8 +25,10 @@ if [ -x .venv/bin/python ]; then
 else
   PY=python3
   if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || echo "wheel install failed"
+    for w in .whl/*.whl; do   # one at a time: a wheel for another Python must not stop the rest
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w" \
+        || $PY -m zipfile -e "$w" /tmp/site || echo "could not install $w"
+    done
     export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,6 +65,7 @@ tail -8 "$OUTDIR/profile.txt"
 HW="hardware=$BASE"
 if [ $status_prof -eq 0 ] && [ -f "$RUNS/measured.yaml" ]; then
   cp "$RUNS/measured.yaml" "$OUTDIR/measured.yaml"
+  cp "$RUNS/measured.profile.json" "$OUTDIR/" 2>/dev/null
   cp "$RUNS/measured.yaml" configs/hardware/measured.yaml && HW="hardware=measured"
   cp "$RUNS/measured.profile.json" configs/hardware/ 2>/dev/null
 fi

@@ -121,13 +121,23 @@ def measure_disk(directory: str | Path, size_bytes: int = 256 * MiB, repeats: in
         if direct:   # buffered I/O would measure the page cache, not the drive
             f2 = DirectFile(path2, "w", size_bytes=n)
             try:
-                write(f2, buf2)   # allocate its blocks
-                for _ in range(repeats):
-                    reader = threading.Thread(target=read)
+                if f2.direct:
+                    write(f2, buf2)   # allocate its blocks
+                for _ in range(repeats if f2.direct else 0):
+                    failed: list[BaseException] = []
+
+                    def reader() -> None:
+                        try:
+                            read()
+                        except BaseException as e:  # re-raised below: a failed read is no overlap
+                            failed.append(e)
+                    th = threading.Thread(target=reader)
                     t0 = time.perf_counter()
-                    reader.start()
+                    th.start()
                     write(f2, buf2)
-                    reader.join()
+                    th.join()
+                    if failed:
+                        raise failed[0]
                     c_times.append(time.perf_counter() - t0)
             finally:
                 f2.close()

@@ -216,9 +216,12 @@ class LayerTrainState:
         s = self.trace.now()
         self._direct = None
         if (first and last and shared is None and self.grad_tier == "host" and self.dtype != F32
-                and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype for g in grads)):
+                and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype and not g.is_pinned()
+                        for g in grads)):
             # One micro-batch whose grads already are host tensors of the master dtype (pure bf16
             # on a CPU device): the update reads them where they are, no copy into the accumulator.
+            # (Not pinned ones, copied off a GPU: held until the update, they would keep the pinned
+            # allocator's cache at every layer's size; they are copied into the store instead.)
             self._direct = [g.reshape(-1) for g in grads]
             self.has_grad = True
             self.norms = [torch.linalg.vector_norm(g) for g in self._direct] if self.track_norms else []

@@ -22,6 +22,7 @@ class Trace:
         self.step = 0
         self.events: list[dict] = []
         self._lock = threading.Lock()
+        self._local = threading.local()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
@@ -29,11 +30,21 @@ class Trace:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    @contextmanager
+    def at_step(self, step: int) -> Iterator[None]:
+        """Events this thread adds inside are recorded under `step` (an update queued by one step
+        may run while the next has begun)."""
+        self._local.step = step
+        try:
+            yield
+        finally:
+            del self._local.step
+
     def add(self, kind: str, layer: str, start_s: float, end_s: float, nbytes: int = 0,
             tier: str = "device") -> None:
         if self.path is None:
             return
-        ev = {"step": self.step, "kind": kind, "layer": layer, "start_s": round(start_s, 6),
+        ev = {"step": getattr(self._local, "step", self.step), "kind": kind, "layer": layer, "start_s": round(start_s, 6),
               "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier}
         with self._lock:
             self.events.append(ev)

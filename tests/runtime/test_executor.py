@@ -385,17 +385,19 @@ def test_nvme_state_read_ahead_on_an_optimizer_thread(tmp_path, clip):
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("clip", [1.0, None])
-def test_queued_updates_keep_their_steps_lr(clip):
+@pytest.mark.parametrize("clip,optimizer,tier", [(1.0, "adamw", "host"), (None, "adamw", "host"),
+                                                 (1.0, "adamw8bit", "host"), (None, "adamw", "nvme")])
+def test_queued_updates_keep_their_steps_lr(clip, optimizer, tier, tmp_path):
     """Updates on their own thread (as on CUDA) may still be queued when the next step's lr is
     set; each uses its own step's lr: the same losses and weights as inline updates, with the lr
     changed before every step and no wait in between (what `lazytrain train` does)."""
     model = tiny_model("llama")
-    plan = hand_plan(3, param_tier="host")
+    plan = hand_plan(3, param_tier="host", optimizer_tier=tier)
     runs = []
     for overlap in (False, True):
+        (tmp_path / str(overlap)).mkdir()
         ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", lr=1e-3, max_grad_norm=clip,
-                               overlap_optimizer=overlap)
+                               overlap_optimizer=overlap, optimizer=optimizer, nvme_dir=tmp_path / str(overlap))
         if overlap:   # slow updates: still queued when the next lr is set
             real = ex._update
             ex._update = lambda *a, real=real: (time.sleep(0.02), real(*a))[1]
