@@ -5,6 +5,8 @@
   lazytrain plan compare [overrides]          MILP vs each heuristic: step time, peak, fits?
   lazytrain plan show PLAN.json [--plot PATH.png]
   lazytrain plan export-deepspeed PLAN.json --out ds_config.json
+  lazytrain plan trace RUN_DIR                per resource: the run's traced seconds and bytes per
+                                              step vs its plan's prediction
 
 Overrides are Hydra's: model=llama3-8b hardware=rtx3090 job.mode=lora job.batch_size=4
 job.seq_len=2048 hardware.device_memory_gib=20 planner.cache=false model.path=DIR ...
@@ -94,6 +96,30 @@ def cmd_show(args: list[str]) -> int:
     return 0
 
 
+def cmd_trace(args: list[str]) -> int:
+    from ..plan.tracecmp import compare_run
+    if len(args) != 1:
+        raise ConfigError("usage: lazytrain plan trace RUN_DIR  (a `lazytrain train` output_dir)")
+    c = compare_run(args[0])
+
+    def ratio(m, p):
+        return f"{m / p:.2f}x" if m is not None and p > 0 else "-"
+    def mib(r, b):   # bytes only for transfers (compute and optimizer items are seconds)
+        return "" if not r.kind.startswith(("h2d", "d2h", "nvme")) else "-" if b is None else f"{b / 2**20:,.1f}"
+    rows = [(r.kind, f"{r.predicted_s:.4f}", "-" if r.measured_s is None else f"{r.measured_s:.4f}",
+             ratio(r.measured_s, r.predicted_s), mib(r, r.predicted_bytes), mib(r, r.measured_bytes))
+            for r in c.rows]
+    rows.append(("step", f"{c.predicted_step_s:.4f}", "-" if c.measured_step_s is None else f"{c.measured_step_s:.4f}",
+                 ratio(c.measured_step_s, c.predicted_step_s), "", ""))
+    steps = f"steps {c.steps[0] + 1}..{c.steps[-1] + 1}" if len(c.steps) > 1 else f"step {c.steps[0] + 1}"
+    _table(f"{args[0]}: busy seconds and MiB per step, median over {steps}",
+           ("kind", "predicted s", "measured s", "measured/pred", "predicted MiB", "measured MiB"), rows)
+    print("Busy time sums each kind's spans; the step overlaps them. Optimizer spans include waits for "
+          "NVMe-tier state and the copy of new weights to the device (also listed as h2d)" + ("; on CUDA compute spans are host-side launch windows, not kernel time."
+                               if c.device_type == "cuda" else "."))
+    return 0
+
+
 def cmd_compare(args: list[str]) -> int:
     from ..plan import HEURISTICS, plan_job
     model, hw, job, opts, use_cache, cache_dir = _inputs(args)
@@ -161,11 +187,14 @@ def main(argv: list[str]) -> int:
             return cmd_compare(args[1:])
         if sub == "max-batch":
             return cmd_max_batch(args[1:])
+        if sub == "trace":
+            return cmd_trace(args[1:])
         if sub == "export-deepspeed":
             from .plan_export import main as export_main
             return export_main(args[1:])
         if sub is not None:
-            raise ConfigError(f"unknown plan subcommand {sub!r}; valid: show, compare, max-batch, export-deepspeed")
+            raise ConfigError(f"unknown plan subcommand {sub!r}; valid: show, compare, max-batch, trace, "
+                              "export-deepspeed")
         return cmd_plan(args)
     except (ConfigError, ModelConfigError, ValueError) as e:
         print(f"lazytrain plan: {e}", file=sys.stderr)

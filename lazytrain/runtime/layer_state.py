@@ -225,7 +225,8 @@ class LayerTrainState:
             self._direct = [g.reshape(-1) for g in grads]
             self.has_grad = True
             self.norms = [torch.linalg.vector_norm(g) for g in self._direct] if self.track_norms else []
-            self.trace.add("d2h", self.name, s, self.trace.now(), 0, self.grad_tier)
+            self.trace.add("d2h", self.name, s, self.trace.now(),
+                           sum(g.numel() * g.element_size() for g in self._direct), self.grad_tier)
             return
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
@@ -248,7 +249,8 @@ class LayerTrainState:
             self.norms = [torch.linalg.vector_norm(acc[o:o + n]) for o, n in
                           zip(self.layout.offsets, self.layout.numels)]
         self._save("grad", self.grad_tier, acc)
-        self.trace.add("d2h", self.name, s, self.trace.now(), self.layout.nbytes, self.grad_tier)
+        arrived = sum(g.numel() * g.element_size() for g in (*grads, *(shared or ())) if g is not None)
+        self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier)
 
     # ---- the update -----------------------------------------------------------------------
     @property

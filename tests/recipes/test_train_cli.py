@@ -289,3 +289,31 @@ def test_plan_clipping_follows_the_runs_max_grad_norm(base_overrides):
     assert job_spec_of(load_config(base + ["optim.max_grad_norm=1.0", "job.clip_grad=false"],
                                    config_name="train"))[0].clip_grad is True
     assert job_spec_of(load_config(base + ["optim.max_grad_norm=null"], config_name="train"))[0].clip_grad is False
+
+
+def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsys):
+    """`lazytrain plan trace RUN_DIR`: per resource, the run's traced seconds and bytes per step next
+    to the plan's prediction. The bytes are the same numbers counted twice, by the executor and by
+    the cost model: every transfer kind agrees (a plan that streams and offloads)."""
+    from lazytrain.cli import plan as plan_cli
+    from lazytrain.plan.tracecmp import compare_run
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "engine=lazytrain", *SMALL_BUDGET, "job.max_steps=3",
+                    "save_every=0", "save_final_model=false", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    c = compare_run(out)
+    assert c.steps == (1, 2) and c.measured_step_s is not None and c.predicted_step_s > 0
+    rows = {r.kind: r for r in c.rows}
+    assert {"compute_fwd", "compute_bwd", "d2h"} <= set(rows)
+    for kind in ("h2d", "d2h", "nvme_read", "nvme_write"):
+        if kind in rows:
+            assert rows[kind].measured_bytes == rows[kind].predicted_bytes, kind
+    assert all(rows[k].measured_s > 0 for k in ("compute_fwd", "compute_bwd"))
+    assert plan_cli.main(["trace", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "compute_bwd" in shown and "measured/pred" in shown
+    (out / "trace.jsonl").write_text((out / "trace.jsonl").read_text() + "{not json\n")
+    assert plan_cli.main(["trace", str(out)]) == 2
+    assert "trace.jsonl:" in capsys.readouterr().err     # names the damaged line
+    assert plan_cli.main(["trace", str(tmp_path / "nope")]) == 2
+    assert "plan.json not found" in capsys.readouterr().err

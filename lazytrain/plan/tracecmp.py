@@ -1,0 +1,114 @@
+"""Predicted vs measured, per resource: a run's trace.jsonl against the plan it ran (plan.json).
+
+The executor's trace and the planner's simulator share one vocabulary (compute_fwd, compute_bwd,
+recompute, h2d, d2h, nvme_read, nvme_write, optimizer), so each kind's busy seconds and bytes per
+optimizer step can be set side by side: where a prediction is off, this says which resource. Pure
+Python (no torch): `lazytrain plan trace RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import Plan
+
+KINDS = ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+
+
+@dataclass(frozen=True)
+class KindRow:
+    kind: str
+    predicted_s: float
+    measured_s: float | None      # median over the steps compared; None: the trace has none
+    predicted_bytes: int
+    measured_bytes: int | None
+
+
+@dataclass(frozen=True)
+class TraceComparison:
+    rows: tuple[KindRow, ...]
+    steps: tuple[int, ...]                 # the optimizer steps compared
+    predicted_step_s: float
+    measured_step_s: float | None          # median step_time_s from metrics.jsonl, if present
+    device_type: str
+
+
+def predicted_busy(plan: Plan) -> tuple[dict[str, float], dict[str, int], float]:
+    """Busy seconds and bytes per event kind in one optimizer step of `plan`, and its step time,
+    from the simulator (the plan's own hardware, job and prefetch depth)."""
+    from ..costmodel import job_costs
+    from ..spec import ModelSpec
+    from .simulate import simulate
+    from .solve import assignment_of
+
+    model = ModelSpec.from_hf_config(plan.model_config, name=plan.model_name)
+    tl = simulate(job_costs(model, plan.hardware, plan.job), assignment_of(plan), plan.hardware,
+                  plan.options.prefetch_depth)
+    secs: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+    for ev in tl.events:
+        secs[ev.kind] += ev.end_s - ev.start_s
+        nbytes[ev.kind] += ev.bytes
+    return dict(secs), dict(nbytes), tl.step_time_s
+
+
+def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], dict[str, int], tuple[int, ...]]:
+    """Median busy seconds and bytes per kind over a trace's steps (the first, a warm-up, left out
+    when there are others)."""
+    secs: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    nbytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for e in events:
+        secs[e["step"]][e["kind"]] += e["end_s"] - e["start_s"]
+        nbytes[e["step"]][e["kind"]] += int(e.get("bytes", 0))
+    steps = sorted(secs)
+    if skip_first and len(steps) > 1:
+        steps = steps[1:]
+    kinds = {k for s in steps for k in secs[s]}
+    med_s = {k: statistics.median(secs[s].get(k, 0.0) for s in steps) for k in kinds}
+    med_b = {k: int(statistics.median(nbytes[s].get(k, 0) for s in steps)) for k in kinds}
+    return med_s, med_b, tuple(steps)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg}); the file is damaged") from None
+    return out
+
+
+def compare_run(run_dir: str | Path) -> TraceComparison:
+    """Compare RUN_DIR/trace.jsonl (and metrics.jsonl, if there) with RUN_DIR/plan.json."""
+    d = Path(run_dir)
+    plan_path, trace_path = d / "plan.json", d / "trace.jsonl"
+    for p in (plan_path, trace_path):
+        if not p.is_file():
+            raise ValueError(f"{p} not found: give the output_dir of a `lazytrain train` run (engine=lazytrain)")
+    try:
+        plan = Plan.from_json(plan_path.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{plan_path}: not a lazytrain plan ({e})") from None
+    events = _read_jsonl(trace_path)
+    if not events:
+        raise ValueError(f"{trace_path} is empty: the run traced no step")
+    m_s, m_b, steps = measured_busy(events)
+    p_s, p_b, p_step = predicted_busy(plan)
+    rows = tuple(KindRow(k, p_s.get(k, 0.0), m_s.get(k), p_b.get(k, 0), m_b.get(k))
+                 for k in KINDS if k in p_s or k in m_s)
+    measured_step = None
+    metrics = d / "metrics.jsonl"
+    if metrics.is_file():
+        times = {r["step"]: r["step_time_s"] for r in _read_jsonl(metrics) if "step_time_s" in r}
+        # the trace counts steps from 0, metrics from 1
+        chosen = [times[s + 1] for s in steps if s + 1 in times]
+        if chosen:
+            measured_step = statistics.median(chosen)
+    return TraceComparison(rows, steps, p_step, measured_step, plan.hardware.device_type)
