@@ -12,6 +12,11 @@ the sum of its windows. Transfers are charged as follows (the sequence is cyclic
 window prefetches the next step's first layer):
 - parameters of the op after this one (prefetch), from host (h2d) or NVMe (nvme_read + h2d);
   a recomputed block that is not the last of its segment is fetched twice (recompute + backward);
+  with a prefetch depth >= 2 the executor's streamer still holds a layer whose next use comes
+  after one other use, which saves three fetches (`reused_fetches`): the last block's backward
+  (after the head; unless a longer recompute segment runs in between), the backward of a
+  segment's second-to-last block (after the last block's recompute + backward), and, where the
+  weights did not change (between micro-batches; LoRA), the embedding's next forward;
   a tied head's weights are its own (on its param tier) plus the embedding's matrix (on the
   embedding's tier: counted once, with the embedding, when resident; fetched for the head when
   streamed), see `weight_parts`;
@@ -73,6 +78,14 @@ def after(num_blocks: int, k: int) -> int:
     """The window after k; the last window's 'after' is itself (drain in place)."""
     K = 2 * num_blocks + 3
     return min(k + 1, K - 1)
+
+
+def refetch_last_kept(depth: int) -> int:
+    """How many blocks at the end of a recompute segment are fetched once for recompute and
+    backward together: the last always (one use), the second-to-last too with depth >= 2 (its
+    backward follows its recompute after one other use, and the streamer keeps it). A segment
+    (s, e] re-fetches blocks s+1 .. e - refetch_last_kept(depth)."""
+    return 2 if depth >= 2 else 1
 
 
 def update_window(num_blocks: int, j: int, k_backward: int, clip_grad: bool) -> int:

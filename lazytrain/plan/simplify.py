@@ -18,13 +18,13 @@ from .simulate import _rate, _window_items, memory_peaks
 ORDER = {"device": 0, "host": 1, "nvme": 2}
 
 
-def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec) -> float:
+def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -> float:
     """The simulator's step time without building events (sum over windows of the busiest resource)."""
     total = 0.0
     for final, times in ((True, 1), (False, costs.grad_accum - 1)):
         if times == 0:
             continue
-        for items in _window_items(costs, a, hw, final):
+        for items in _window_items(costs, a, hw, final, depth):
             busy: dict[str, float] = {}
             for res, _, _, _, amount in items:
                 rate = _rate(hw, res)
@@ -42,7 +42,7 @@ def _fits(costs: JobCosts, a: Assignment, depth: int, device_cap: int) -> bool:
 def simplify(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2,
              budget_s: float = 2.0) -> Assignment:
     t_end = time.perf_counter() + budget_s
-    best = step_time_s(costs, a, hw)
+    best = step_time_s(costs, a, hw, depth)
     # Never raise the device peak above the solved plan's: the planner's memory model is an
     # estimate, and headroom the solver left is kept.
     device_cap = min(costs.device_capacity_bytes, memory_peaks(costs, a, depth)[0]["device"])
@@ -52,7 +52,7 @@ def simplify(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2,
         nonlocal a, best
         if not _fits(costs, cand, depth, device_cap):
             return False
-        t = step_time_s(costs, cand, hw)
+        t = step_time_s(costs, cand, hw, depth)
         if t <= best + tol:
             a, best = cand, min(best, t)
             return True

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, update_window,
-                  weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, refetch_last_kept,
+                  update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -48,8 +48,8 @@ class Timeline:
         return max(0.0, self.step_time_s - self.compute_s - self.recompute_s - self.serial_optimizer_s)
 
 
-def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
-                  final: bool) -> list[list[tuple[str, str, str, str, float]]]:
+def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
+                  depth: int = 2) -> list[list[tuple[str, str, str, str, float]]]:
     """Per window: (resource, kind, layer, what, amount) with amount in bytes or seconds."""
     L = costs.num_blocks
     ops = op_sequence(L)
@@ -57,11 +57,14 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
     layers = costs.layers
     items: list[list[tuple]] = [[] for _ in range(K)]
     rec = a.recompute_flags(L)
-    not_last = [False] * (L + 2)
+    not_last = [False] * (L + 2)   # fetched for recompute and again for backward
+    long_last = False              # the last block ends a recompute segment of several blocks
     for seg in a.segments:
         if seg.mode == RECOMPUTE:
-            for j in range(seg.s + 1, seg.e):
+            for j in range(seg.s + 1, seg.e + 1 - refetch_last_kept(depth)):
                 not_last[j] = True
+            long_last = long_last or (seg.e == L and seg.s < L - 1)
+    reuse = depth >= 2
     overlap = hw.optimizer_overlaps_compute
 
     for k, op in enumerate(ops):
@@ -79,6 +82,9 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec,
         # owners' tiers (the embedding's matrix is fetched for it only when the embedding streams)
         nxt = ops[(k + 1) % K]
         times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
+        if reuse and ((nxt.kind == BWD and nxt.layer == L and not long_last)
+                      or (k == K - 1 and (not final or not costs.trains_base))):
+            times = 0   # still held by the streamer (ops.py)
         for owner, nbytes in weight_parts(costs, nxt.layer):
             tier = a.param_tier[owner]
             if tier == "device":
@@ -189,7 +195,7 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
-        windows = _window_items(costs, a, hw, final)
+        windows = _window_items(costs, a, hw, final, depth)
         for k, items in enumerate(windows):
             cursor: dict[str, float] = defaultdict(lambda: t)
             for res, kind, layer, what, amount in items:

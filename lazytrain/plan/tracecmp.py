@@ -1,8 +1,9 @@
 """Predicted vs measured, per resource: a run's trace.jsonl against the plan it ran (plan.json).
 
 The executor's trace and the planner's simulator share one vocabulary (compute_fwd, compute_bwd,
-recompute, h2d, d2h, nvme_read, nvme_write, optimizer), so each kind's busy seconds and bytes per
-optimizer step can be set side by side: where a prediction is off, this says which resource. Pure
+recompute, h2d, d2h, nvme_read, nvme_write, optimizer; a transfer also says what it moves: params,
+activation, grads, optimizer_state), so each kind's busy seconds and bytes per optimizer step can
+be set side by side: where a prediction is off, this says which resource and which tensors. Pure
 Python (no torch): `lazytrain plan trace RUN_DIR`.
 """
 
@@ -16,12 +17,14 @@ from pathlib import Path
 
 from .plan import Plan
 
-KINDS = ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+TRANSFERS = ("h2d", "d2h", "nvme_read", "nvme_write")
+KINDS = ("compute_fwd", "compute_bwd", "recompute", *TRANSFERS, "optimizer")
+WHATS = ("", "params", "activation", "grads", "optimizer_state")
 
 
 @dataclass(frozen=True)
 class KindRow:
-    kind: str
+    kind: str                     # an event kind, with what a transfer moves: "h2d params"
     predicted_s: float
     measured_s: float | None      # median over the steps compared; None: the trace has none
     predicted_bytes: int
@@ -51,9 +54,14 @@ def predicted_busy(plan: Plan) -> tuple[dict[str, float], dict[str, int], float]
     secs: dict[str, float] = defaultdict(float)
     nbytes: dict[str, int] = defaultdict(int)
     for ev in tl.events:
-        secs[ev.kind] += ev.end_s - ev.start_s
-        nbytes[ev.kind] += ev.bytes
+        k = _key(ev.kind, ev.what)
+        secs[k] += ev.end_s - ev.start_s
+        nbytes[k] += ev.bytes
     return dict(secs), dict(nbytes), tl.step_time_s
+
+
+def _key(kind: str, what: str) -> str:
+    return f"{kind} {what}" if what and kind in TRANSFERS else kind
 
 
 def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], dict[str, int], tuple[int, ...]]:
@@ -62,8 +70,9 @@ def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], di
     secs: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     nbytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for e in events:
-        secs[e["step"]][e["kind"]] += e["end_s"] - e["start_s"]
-        nbytes[e["step"]][e["kind"]] += int(e.get("bytes", 0))
+        k = _key(e["kind"], e.get("what", ""))
+        secs[e["step"]][k] += e["end_s"] - e["start_s"]
+        nbytes[e["step"]][k] += int(e.get("bytes", 0))
     steps = sorted(secs)
     if skip_first and len(steps) > 1:
         steps = steps[1:]
@@ -101,8 +110,9 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
         raise ValueError(f"{trace_path} is empty: the run traced no step")
     m_s, m_b, steps = measured_busy(events)
     p_s, p_b, p_step = predicted_busy(plan)
+    keys = [_key(k, w) for k in KINDS for w in WHATS if w == "" or k in TRANSFERS]
     rows = tuple(KindRow(k, p_s.get(k, 0.0), m_s.get(k), p_b.get(k, 0), m_b.get(k))
-                 for k in KINDS if k in p_s or k in m_s)
+                 for k in dict.fromkeys(keys) if k in p_s or k in m_s)
     measured_step = None
     metrics = d / "metrics.jsonl"
     if metrics.is_file():

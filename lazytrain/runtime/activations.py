@@ -185,7 +185,7 @@ class ActivationStore:
             else:
                 host.copy_(win)
             rec.host = host
-            self.trace.add("d2h", name, start, self.trace.now(), rec.nbytes, "host")
+            self.trace.add("d2h", name, start, self.trace.now(), rec.nbytes, "host", "activation")
         elif tier == "nvme":
             if la.file is None:
                 if self.nvme_root is None or self.pool is None:
@@ -203,10 +203,10 @@ class ActivationStore:
             def write() -> None:
                 s = trace.now()
                 f.write_from(staging, rec.offset)
-                trace.add("nvme_write", name, s, trace.now(), nb, "nvme")
+                trace.add("nvme_write", name, s, trace.now(), nb, "nvme", "activation")
 
             rec.write = self.pool.submit(write)
-            self.trace.add("d2h", name, start, self.trace.now(), rec.nbytes, "nvme")
+            self.trace.add("d2h", name, start, self.trace.now(), rec.nbytes, "nvme", "activation")
         else:
             raise ValueError(f"unknown activation tier {tier!r}")
         la.recs.append(rec)
@@ -245,7 +245,7 @@ class ActivationStore:
         else:
             flat.copy_(rec.host)
         rec.dev = _view(flat, rec)
-        self.trace.add("h2d", name, start, self.trace.now(), rec.nbytes, "host")
+        self.trace.add("h2d", name, start, self.trace.now(), rec.nbytes, "host", "activation")
 
     def _fetch_nvme(self, rec: _Rec) -> None:
         name = self.names[rec.layer]
@@ -263,7 +263,7 @@ class ActivationStore:
                 write.result()
             s = trace.now()
             f.read_into(buf, rec.offset)
-            trace.add("nvme_read", name, s, trace.now(), nb, "nvme")
+            trace.add("nvme_read", name, s, trace.now(), nb, "nvme", "activation")
             return buf
 
         rec.host = None
@@ -284,7 +284,8 @@ class ActivationStore:
                     rec.counted = dev.nbytes
                     self.acct.alloc(rec.counted, "activations_fetched")
                     dev.copy_(flat)
-                    self.trace.add("h2d", self.names[rec.layer], start, self.trace.now(), rec.nbytes, "nvme")
+                    self.trace.add("h2d", self.names[rec.layer], start, self.trace.now(), rec.nbytes, "nvme",
+                                   "activation")
                     flat = dev
                 rec.dev = _view(flat, rec)
         if self.cuda and rec.event is not None:

@@ -363,7 +363,8 @@ class StreamingExecutor:
 
         def write(master: torch.Tensor) -> None:
             if d.param_tier == "device":   # the new weights go back to the device (the plan's h2d)
-                with self.trace.span("h2d", lay.name, lay.resident.numel() * lay.resident.element_size()):
+                with self.trace.span("h2d", lay.name, lay.resident.numel() * lay.resident.element_size(),
+                                     "device", "params"):
                     publish_resident(master)
             elif d.param_tier == "host":
                 dst = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)
@@ -374,7 +375,8 @@ class StreamingExecutor:
                 typed(buf, lay.layout.dtype, lay.layout.numel).copy_(master)
                 s = self.trace.now()
                 self.nvme.write_sync(self.streamer.key(lay), buf)
-                self.trace.add("nvme_write", lay.name, s, self.trace.now(), lay.layout.padded_nbytes, "nvme")
+                self.trace.add("nvme_write", lay.name, s, self.trace.now(), lay.layout.padded_nbytes, "nvme",
+                               "params")
         return write
 
     # ---- one layer -----------------------------------------------------------------------

@@ -123,7 +123,7 @@ class LayerTrainState:
         bufs, reads = self._set
         s = self.trace.now()
         reads[what].result()
-        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme")
+        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme", "optimizer_state")
         return typed(bufs[OPT_KEYS.index(what)], self.dtype, self.numel)
 
     def _write_back_staged(self) -> None:
@@ -138,7 +138,7 @@ class LayerTrainState:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme")
+                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme", "optimizer_state")
                 staging.release(bufs)
 
         self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them
@@ -156,7 +156,8 @@ class LayerTrainState:
         self._staging[what] = buf
         s = self.trace.now()
         self.nvme.read_sync(self._key(what), buf)
-        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme")
+        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme",
+                       "optimizer_state" if what in OPT_KEYS else "grads")
         return typed(buf, self.dtype, self.numel)
 
     def _save(self, what: str, tier: str, t: torch.Tensor) -> None:
@@ -165,7 +166,8 @@ class LayerTrainState:
         s = self.trace.now()
         buf = self._staging.pop(what)
         self.nvme.write_sync(self._key(what), buf)
-        self.trace.add("nvme_write", self.name, s, self.trace.now(), self.layout.nbytes, "nvme")
+        self.trace.add("nvme_write", self.name, s, self.trace.now(), self.layout.nbytes, "nvme",
+                       "optimizer_state" if what in OPT_KEYS else "grads")
 
     def _fresh(self, what: str, tier: str) -> torch.Tensor:
         """A tensor to overwrite entirely (no read from NVMe needed)."""
@@ -226,7 +228,7 @@ class LayerTrainState:
             self.has_grad = True
             self.norms = [torch.linalg.vector_norm(g) for g in self._direct] if self.track_norms else []
             self.trace.add("d2h", self.name, s, self.trace.now(),
-                           sum(g.numel() * g.element_size() for g in self._direct), self.grad_tier)
+                           sum(g.numel() * g.element_size() for g in self._direct), self.grad_tier, "grads")
             return
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
@@ -250,7 +252,7 @@ class LayerTrainState:
                           zip(self.layout.offsets, self.layout.numels)]
         self._save("grad", self.grad_tier, acc)
         arrived = sum(g.numel() * g.element_size() for g in (*grads, *(shared or ())) if g is not None)
-        self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier)
+        self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier, "grads")
 
     # ---- the update -----------------------------------------------------------------------
     @property

@@ -213,16 +213,16 @@ class ParamStreamer:
             if not self.cuda:
                 if lay.tier == "nvme":
                     self.nvme.read_sync(self.key(lay), buf)
-                    self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme")
+                    self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme", "params")
                 else:
                     buf.copy_(self.host.get(self.key(lay)))
-                    self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, "host")
+                    self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, "host", "params")
                 return None
             src = self.host.get(self.key(lay)) if lay.tier == "host" else None
             if src is None:
                 src = aligned_empty(nb, pin=True)
                 self.nvme.read_sync(self.key(lay), src)
-                self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme")
+                self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme", "params")
                 s = self.trace.now()
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(after)
@@ -230,7 +230,7 @@ class ParamStreamer:
                 ev = torch.cuda.Event()
                 ev.record(self.h2d_stream)
             ev.synchronize()  # keeps `src` alive until the copy ran; only this I/O thread waits
-            self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, lay.tier)
+            self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, lay.tier, "params")
             return ev
 
         lay.fetch = self.pool.submit(job)

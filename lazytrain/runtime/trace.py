@@ -41,21 +41,24 @@ class Trace:
             del self._local.step
 
     def add(self, kind: str, layer: str, start_s: float, end_s: float, nbytes: int = 0,
-            tier: str = "device") -> None:
+            tier: str = "device", what: str = "") -> None:
+        """`what` a transfer moves, in the simulator's words: params | activation | grads |
+        optimizer_state."""
         if self.path is None:
             return
-        ev = {"step": getattr(self._local, "step", self.step), "kind": kind, "layer": layer, "start_s": round(start_s, 6),
-              "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier}
+        ev = {"step": getattr(self._local, "step", self.step), "kind": kind, "layer": layer,
+              "start_s": round(start_s, 6), "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier,
+              "what": what}
         with self._lock:
             self.events.append(ev)
 
     @contextmanager
-    def span(self, kind: str, layer: str, nbytes: int = 0, tier: str = "device") -> Iterator[None]:
+    def span(self, kind: str, layer: str, nbytes: int = 0, tier: str = "device", what: str = "") -> Iterator[None]:
         t = self.now()
         try:
             yield
         finally:
-            self.add(kind, layer, t, self.now(), nbytes, tier)
+            self.add(kind, layer, t, self.now(), nbytes, tier, what)
 
     def flush(self) -> None:
         if self.path is None:

@@ -293,8 +293,7 @@ def test_plan_clipping_follows_the_runs_max_grad_norm(base_overrides):
 
 def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsys):
     """`lazytrain plan trace RUN_DIR`: per resource, the run's traced seconds and bytes per step next
-    to the plan's prediction. The bytes are the same numbers counted twice, by the executor and by
-    the cost model: every transfer kind agrees (a plan that streams and offloads)."""
+    to the plan's prediction (a plan that streams and offloads)."""
     from lazytrain.cli import plan as plan_cli
     from lazytrain.plan.tracecmp import compare_run
     out = tmp_path / "run"
@@ -304,10 +303,11 @@ def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsy
     c = compare_run(out)
     assert c.steps == (1, 2) and c.measured_step_s is not None and c.predicted_step_s > 0
     rows = {r.kind: r for r in c.rows}
-    assert {"compute_fwd", "compute_bwd", "d2h"} <= set(rows)
-    for kind in ("h2d", "d2h", "nvme_read", "nvme_write"):
-        if kind in rows:
-            assert rows[kind].measured_bytes == rows[kind].predicted_bytes, kind
+    assert {"compute_fwd", "compute_bwd", "h2d params", "d2h grads"} <= set(rows)
+    # weights fetched and gradients leaving: what the cost model counts, to the byte (activation
+    # sizes are the cost model's estimates, not asserted)
+    for kind in ("h2d params", "d2h grads"):
+        assert rows[kind].measured_bytes == rows[kind].predicted_bytes > 0, kind
     assert all(rows[k].measured_s > 0 for k in ("compute_fwd", "compute_bwd"))
     assert plan_cli.main(["trace", str(out)]) == 0
     shown = capsys.readouterr().out
