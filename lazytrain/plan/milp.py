@@ -292,7 +292,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                 res[k]["h2d"] += n.param_bytes * wh
                 if wn is not None:
                     res[k]["nvme_read"] += n.param_bytes * wn
-            elif not (reuse and k == K - 1 and (not final or not full)):   # else still held (ops.py)
+            elif not (k == K - 1 and (not final or not full)):   # else still held (ops.py)
                 res[k]["h2d"] += fetched_bytes(nxt.layer)
                 res[k]["nvme_read"] += nvme_read_bytes(nxt.layer)
             if nxt.kind == BWD and nxt.layer in zh:

@@ -82,8 +82,8 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         # owners' tiers (the embedding's matrix is fetched for it only when the embedding streams)
         nxt = ops[(k + 1) % K]
         times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
-        if reuse and ((nxt.kind == BWD and nxt.layer == L and not long_last)
-                      or (k == K - 1 and (not final or not costs.trains_base))):
+        if ((reuse and nxt.kind == BWD and nxt.layer == L and not long_last)
+                or (k == K - 1 and (not final or not costs.trains_base))):
             times = 0   # still held by the streamer (ops.py)
         for owner, nbytes in weight_parts(costs, nxt.layer):
             tier = a.param_tier[owner]

@@ -40,7 +40,7 @@ class TraceComparison:
     device_type: str
 
 
-def predicted_busy(plan: Plan) -> tuple[dict[str, float], dict[str, int], float]:
+def predicted_busy(plan: Plan, with_what: bool = True) -> tuple[dict[str, float], dict[str, int], float]:
     """Busy seconds and bytes per event kind in one optimizer step of `plan`, and its step time,
     from the simulator (the plan's own hardware, job and prefetch depth)."""
     from ..costmodel import job_costs
@@ -54,7 +54,7 @@ def predicted_busy(plan: Plan) -> tuple[dict[str, float], dict[str, int], float]
     secs: dict[str, float] = defaultdict(float)
     nbytes: dict[str, int] = defaultdict(int)
     for ev in tl.events:
-        k = _key(ev.kind, ev.what)
+        k = _key(ev.kind, ev.what if with_what else "")
         secs[k] += ev.end_s - ev.start_s
         nbytes[k] += ev.bytes
     return dict(secs), dict(nbytes), tl.step_time_s
@@ -108,17 +108,24 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
     events = _read_jsonl(trace_path)
     if not events:
         raise ValueError(f"{trace_path} is empty: the run traced no step")
+    if not all("kind" in e and "step" in e for e in events):
+        raise ValueError(f"{trace_path} is not a streaming-executor trace (engine=lazytrain writes one; "
+                         "other engines log ops, not transfers)")
+    with_what = any("what" in e for e in events)   # older traces: compare per kind only
     m_s, m_b, steps = measured_busy(events)
-    p_s, p_b, p_step = predicted_busy(plan)
+    p_s, p_b, p_step = predicted_busy(plan, with_what)
     keys = [_key(k, w) for k in KINDS for w in WHATS if w == "" or k in TRANSFERS]
     rows = tuple(KindRow(k, p_s.get(k, 0.0), m_s.get(k), p_b.get(k, 0), m_b.get(k))
                  for k in dict.fromkeys(keys) if k in p_s or k in m_s)
     measured_step = None
     metrics = d / "metrics.jsonl"
     if metrics.is_file():
-        times = {r["step"]: r["step_time_s"] for r in _read_jsonl(metrics) if "step_time_s" in r}
-        # the trace counts steps from 0, metrics from 1
-        chosen = [times[s + 1] for s in steps if s + 1 in times]
+        # The trace numbers this process's steps from 0 (skipped ones too); metrics.jsonl has a row
+        # per step, after those of the run this one resumed: its last rows are the trace's steps.
+        logged = [r for r in _read_jsonl(metrics) if "step_time_s" in r]
+        n = max(e["step"] for e in events) + 1
+        mine = logged[-n:] if len(logged) >= n else []
+        chosen = [mine[s]["step_time_s"] for s in steps if s < len(mine)]
         if chosen:
             measured_step = statistics.median(chosen)
     return TraceComparison(rows, steps, p_step, measured_step, plan.hardware.device_type)

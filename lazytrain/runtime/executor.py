@@ -183,6 +183,7 @@ class StreamingExecutor:
         self.opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-opt") \
             if (self.cuda if overlap_optimizer is None else overlap_optimizer) else _InlinePool()
         self.step_count = 0
+        self._calls = 0
         self._synced = False
         self._pending: list[Future] = []
         self._grads_inflight: deque[Future] = deque()
@@ -681,7 +682,8 @@ class StreamingExecutor:
         if self._synced:
             self._rebind()
         t0 = time.perf_counter()
-        self.trace.step = self.step_count
+        self.trace.step = self._calls   # this process's n-th step: one per metrics row, skipped or not
+        self._calls += 1
         self.acct.reset_peak()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

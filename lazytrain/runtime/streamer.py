@@ -206,7 +206,13 @@ class ParamStreamer:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
 
+        step = self.trace.step   # traced under the step that asked (it may land in the next)
+
         def job():
+            with self.trace.at_step(step):
+                return fetch()
+
+        def fetch():
             if ready is not None:
                 ready.result()
             s = self.trace.now()

@@ -19,7 +19,7 @@ class Trace:
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path else None
         self.t0 = time.perf_counter()
-        self.step = 0
+        self.step = 0   # set by the executor: its n-th train_step in this process (from 0)
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -34,11 +34,15 @@ class Trace:
     def at_step(self, step: int) -> Iterator[None]:
         """Events this thread adds inside are recorded under `step` (an update queued by one step
         may run while the next has begun)."""
+        prev = getattr(self._local, "step", None)
         self._local.step = step
         try:
             yield
         finally:
-            del self._local.step
+            if prev is None:
+                del self._local.step
+            else:
+                self._local.step = prev
 
     def add(self, kind: str, layer: str, start_s: float, end_s: float, nbytes: int = 0,
             tier: str = "device", what: str = "") -> None:

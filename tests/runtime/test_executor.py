@@ -415,11 +415,13 @@ def test_queued_updates_keep_their_steps_lr(clip, optimizer, tier, tmp_path):
 @pytest.mark.parametrize("segments", [[], [(1, 3)], [(1, 2), (3, 3)], [(2, 3)], [(1, 1)]],
                          ids=["none", "all-blocks", "two", "last-two", "first"])
 @pytest.mark.parametrize("n_micro", [1, 2])
-def test_parameter_fetches_are_the_simulators(family, segments, n_micro, tmp_path):
+@pytest.mark.parametrize("layout", ["streamed", "some-resident", "depth-3"])
+def test_parameter_fetches_are_the_simulators(family, segments, n_micro, layout, tmp_path):
     """Every layer streamed from host at prefetch depth 2: the bytes of weights the executor
     fetches in a step are the simulator's h2d params for the plan, to the byte (which layers the
     streamer still holds when they are used again: ops.py), with recompute segments, tied
-    embeddings and gradient accumulation."""
+    embeddings and gradient accumulation. With resident layers in between or a deeper prefetch
+    the streamer holds layers longer: the simulator's count is then an upper bound."""
     from lazytrain.costmodel import job_costs
     from lazytrain.plan.simulate import simulate
     from lazytrain.plan.solve import assignment_of
@@ -427,7 +429,10 @@ def test_parameter_fetches_are_the_simulators(family, segments, n_micro, tmp_pat
 
     model = tiny_model(family)
     job = JobSpec(batch_size=2, seq_len=16, grad_accum=n_micro, compute_dtype="fp32")
-    plan = hand_plan(3, param_tier="host", segments=segments, job=job, prefetch_depth=2)
+    resident = {"embed": {"param_tier": "device"}, "block.1": {"param_tier": "device"}}
+    plan = hand_plan(3, param_tier="host", segments=segments, job=job,
+                     prefetch_depth=3 if layout == "depth-3" else 2,
+                     overrides=resident if layout == "some-resident" else None)
     trace = tmp_path / "trace.jsonl"
     ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", lr=1e-3, trace_path=trace)
     for s in range(2):
@@ -436,6 +441,8 @@ def test_parameter_fetches_are_the_simulators(family, segments, n_micro, tmp_pat
     got = sum(e["bytes"] for e in map(json.loads, trace.read_text().splitlines())
               if e["step"] == 1 and e["kind"] == "h2d" and e["what"] == "params")
     spec = ModelSpec.from_hf_config(model.config.to_dict(), name=family)
-    tl = simulate(job_costs(spec, plan.hardware, job), assignment_of(plan), plan.hardware, depth=2)
+    tl = simulate(job_costs(spec, plan.hardware, job), assignment_of(plan), plan.hardware,
+                  depth=plan.options.prefetch_depth)
+    # (resident layers' new weights are published to the device too: counted on both sides)
     want = sum(e.bytes for e in tl.events if e.kind == "h2d" and e.what == "params")
-    assert got == want
+    assert got == want if layout == "streamed" else 0 < got <= want
