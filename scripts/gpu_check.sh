@@ -86,7 +86,8 @@ for line in open(sys.argv[1]):
     e = json.loads(line)
     per[e["step"]][e["kind"]] += e["end_s"] - e["start_s"]
     sp = span[e["step"]]; sp[0] = min(sp[0], e["start_s"]); sp[1] = max(sp[1], e["end_s"])
-steps = sorted(per)[1:] or sorted(per)
+steps = sorted(s for s in per if s >= 0)   # -1: outside steps (set-up, checkpoints)
+steps = steps[1:] or steps
 kinds = sorted({k for s in steps for k in per[s]})
 print("trace busy s/step (median): " + ", ".join(f"{k} {statistics.median(per[s][k] for s in steps):.4f}" for k in kinds)
       + f"; first-to-last event {statistics.median(span[s][1] - span[s][0] for s in steps):.4f}")

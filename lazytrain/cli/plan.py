@@ -111,9 +111,12 @@ def cmd_trace(args: list[str]) -> int:
             for r in c.rows]
     rows.append(("step", f"{c.predicted_step_s:.4f}", "-" if c.measured_step_s is None else f"{c.measured_step_s:.4f}",
                  ratio(c.measured_step_s, c.predicted_step_s), "", ""))
-    steps = f"steps {c.steps[0] + 1}..{c.steps[-1] + 1}" if len(c.steps) > 1 else f"step {c.steps[0] + 1}"
+    a, b = c.first_step + c.steps[0], c.first_step + c.steps[-1]
+    steps = f"steps {a}..{b}" if b > a else f"step {a}"
     _table(f"{args[0]}: busy seconds and MiB per step, median over {steps}",
            ("kind", "predicted s", "measured s", "measured/pred", "predicted MiB", "measured MiB"), rows)
+    for note in c.notes:
+        print(f"note: {note}")
     print("Busy time sums each kind's spans; the step overlaps them. Optimizer spans include waits for "
           "NVMe-tier state and the copy of new weights to the device (also listed as h2d)" + ("; on CUDA compute spans are host-side launch windows, not kernel time."
                                if c.device_type == "cuda" else "."))

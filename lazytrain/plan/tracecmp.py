@@ -34,10 +34,12 @@ class KindRow:
 @dataclass(frozen=True)
 class TraceComparison:
     rows: tuple[KindRow, ...]
-    steps: tuple[int, ...]                 # the optimizer steps compared
+    steps: tuple[int, ...]                 # this process's steps compared (0-based, as traced)
+    first_step: int                        # the run's number of this process's step 0 (metrics)
     predicted_step_s: float
     measured_step_s: float | None          # median step_time_s from metrics.jsonl, if present
     device_type: str
+    notes: tuple[str, ...] = ()            # e.g. a cut-off last line that was ignored
 
 
 def predicted_busy(plan: Plan, with_what: bool = True) -> tuple[dict[str, float], dict[str, int], float]:
@@ -70,6 +72,8 @@ def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], di
     secs: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     nbytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for e in events:
+        if e["step"] < 0:   # set-up, checkpoints: outside any step
+            continue
         k = _key(e["kind"], e.get("what", ""))
         secs[e["step"]][k] += e["end_s"] - e["start_s"]
         nbytes[e["step"]][k] += int(e.get("bytes", 0))
@@ -82,14 +86,20 @@ def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], di
     return med_s, med_b, tuple(steps)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
+    """Rows of a JSONL file; a cut-off last line (a killed run) is skipped with a note, damage
+    anywhere else is an error."""
+    lines = path.read_text().splitlines()
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError as e:
+            if n == len(lines):
+                notes.append(f"{path}: the last line is cut off (a killed run?) and was ignored")
+                continue
             raise ValueError(f"{path}:{n}: not JSON ({e.msg}); the file is damaged") from None
     return out
 
@@ -105,9 +115,10 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
         plan = Plan.from_json(plan_path.read_text())
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{plan_path}: not a lazytrain plan ({e})") from None
-    events = _read_jsonl(trace_path)
-    if not events:
-        raise ValueError(f"{trace_path} is empty: the run traced no step")
+    notes: list[str] = []
+    events = _read_jsonl(trace_path, notes)
+    if not any(e.get("step", 0) >= 0 for e in events):
+        raise ValueError(f"{trace_path} has no step: the run traced none")
     if not all("kind" in e and "step" in e for e in events):
         raise ValueError(f"{trace_path} is not a streaming-executor trace (engine=lazytrain writes one; "
                          "other engines log ops, not transfers)")
@@ -117,15 +128,18 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
     keys = [_key(k, w) for k in KINDS for w in WHATS if w == "" or k in TRANSFERS]
     rows = tuple(KindRow(k, p_s.get(k, 0.0), m_s.get(k), p_b.get(k, 0), m_b.get(k))
                  for k in dict.fromkeys(keys) if k in p_s or k in m_s)
-    measured_step = None
+    measured_step, first_step = None, 1
     metrics = d / "metrics.jsonl"
     if metrics.is_file():
         # The trace numbers this process's steps from 0 (skipped ones too); metrics.jsonl has a row
         # per step, after those of the run this one resumed: its last rows are the trace's steps.
-        logged = [r for r in _read_jsonl(metrics) if "step_time_s" in r]
+        logged = [r for r in _read_jsonl(metrics, notes) if "step_time_s" in r]
         n = max(e["step"] for e in events) + 1
         mine = logged[-n:] if len(logged) >= n else []
         chosen = [mine[s]["step_time_s"] for s in steps if s < len(mine)]
         if chosen:
             measured_step = statistics.median(chosen)
-    return TraceComparison(rows, steps, p_step, measured_step, plan.hardware.device_type)
+        if mine:
+            first_step = int(mine[0].get("step", 1))
+    return TraceComparison(rows, steps, first_step, p_step, measured_step, plan.hardware.device_type,
+                           tuple(notes))

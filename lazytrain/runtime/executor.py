@@ -741,6 +741,7 @@ class StreamingExecutor:
         measured = max(peak, torch.cuda.max_memory_allocated(self.device) - self._foreign_bytes) \
             if self.cuda else peak
         step_s = time.perf_counter() - t0
+        self.trace.step = -1   # between steps (checkpoints, syncs): what queued work captured stays
         self.trace.flush()
         pred = self.plan.predicted
         return StepResult(loss=sum(losses) / n, grad_norm=grad_norm, skipped=skipped, step_time_s=step_s,

@@ -132,13 +132,15 @@ class LayerTrainState:
         s = self.trace.now()
         futs = [self.nvme.write_from(self._key(w), b, self.state_io) for w, b in zip(OPT_KEYS, bufs)]
         left, lock, staging, trace = [len(futs)], threading.Lock(), self.staging, self.trace
+        step = trace.current_step()   # it lands later, on an I/O thread
 
         def landed(_f: Future) -> None:
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme", "optimizer_state")
+                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme", "optimizer_state",
+                          step=step)
                 staging.release(bufs)
 
         self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them

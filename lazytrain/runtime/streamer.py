@@ -206,7 +206,7 @@ class ParamStreamer:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
 
-        step = self.trace.step   # traced under the step that asked (it may land in the next)
+        step = self.trace.current_step()   # traced under the step that asked (it may land in the next)
 
         def job():
             with self.trace.at_step(step):

@@ -19,7 +19,9 @@ class Trace:
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path else None
         self.t0 = time.perf_counter()
-        self.step = 0   # set by the executor: its n-th train_step in this process (from 0)
+        # set by the executor: its n-th train_step in this process (from 0); -1 outside steps
+        # (set-up, checkpoints), which comparisons with a plan leave out
+        self.step = -1
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -44,13 +46,17 @@ class Trace:
             else:
                 self._local.step = prev
 
+    def current_step(self) -> int:
+        """The step this thread's events are recorded under."""
+        return getattr(self._local, "step", self.step)
+
     def add(self, kind: str, layer: str, start_s: float, end_s: float, nbytes: int = 0,
-            tier: str = "device", what: str = "") -> None:
+            tier: str = "device", what: str = "", step: int | None = None) -> None:
         """`what` a transfer moves, in the simulator's words: params | activation | grads |
-        optimizer_state."""
+        optimizer_state. `step`: for an event that completes on another thread later."""
         if self.path is None:
             return
-        ev = {"step": getattr(self._local, "step", self.step), "kind": kind, "layer": layer,
+        ev = {"step": self.current_step() if step is None else step, "kind": kind, "layer": layer,
               "start_s": round(start_s, 6), "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier,
               "what": what}
         with self._lock:

@@ -312,8 +312,13 @@ def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsy
     assert plan_cli.main(["trace", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "compute_bwd" in shown and "measured/pred" in shown
-    (out / "trace.jsonl").write_text((out / "trace.jsonl").read_text() + "{not json\n")
+    assert "steps 2..3" in shown                         # the run's step numbers
+    good = (out / "trace.jsonl").read_text()
+    (out / "trace.jsonl").write_text(good + '{"step": 2, "ki')   # a killed run's cut-off last line
+    assert plan_cli.main(["trace", str(out)]) == 0
+    assert "cut off" in capsys.readouterr().out
+    (out / "trace.jsonl").write_text("{not json\n" + good)
     assert plan_cli.main(["trace", str(out)]) == 2
-    assert "trace.jsonl:" in capsys.readouterr().err     # names the damaged line
+    assert "trace.jsonl:1" in capsys.readouterr().err    # names the damaged line
     assert plan_cli.main(["trace", str(tmp_path / "nope")]) == 2
     assert "plan.json not found" in capsys.readouterr().err

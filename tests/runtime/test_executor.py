@@ -446,3 +446,25 @@ def test_parameter_fetches_are_the_simulators(family, segments, n_micro, layout,
     # (resident layers' new weights are published to the device too: counted on both sides)
     want = sum(e.bytes for e in tl.events if e.kind == "h2d" and e.what == "params")
     assert got == want if layout == "streamed" else 0 < got <= want
+
+
+def test_io_between_steps_is_traced_outside_them(tmp_path):
+    """Checkpoint reads and a model sync between steps are traced under step -1, so per-step
+    figures (lazytrain plan trace) see only the steps: with NVMe-tier state every step moves the
+    same bytes, the last one too."""
+    from lazytrain.plan.tracecmp import measured_busy
+
+    trace = tmp_path / "trace.jsonl"
+    plan = hand_plan(3, param_tier="nvme", optimizer_tier="nvme", grad_tier="nvme")
+    ex = StreamingExecutor(copy.deepcopy(tiny_model("llama")), plan, device="cpu", nvme_dir=tmp_path, lr=1e-3,
+                           max_grad_norm=1.0, trace_path=trace)
+    for s in range(3):
+        ex.train_step(random_batches(1, seed=s))
+    ex.state_dict()
+    ex.sync_model()
+    ex.close()
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {e["step"] for e in events} == {-1, 0, 1, 2}
+    assert any(e["step"] == -1 and e["kind"] == "nvme_read" for e in events)   # the checkpoint's reads
+    per_step = [measured_busy([e for e in events if e["step"] == s], skip_first=False)[1] for s in (1, 2)]
+    assert per_step[0] == per_step[1]
