@@ -82,13 +82,7 @@ def cmd_show(args: list[str]) -> int:
     plot_path = _pop_flag(args, "--plot")
     if len(args) != 1:
         raise ConfigError("usage: lazytrain plan show PLAN.json [--plot PATH.png]")
-    p = Path(args[0])
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such plan file")
-    try:
-        plan = Plan.from_json(p.read_text())
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{p}: not a lazytrain plan ({e})") from None
+    plan = Plan.load(args[0])
     _print_plan(plan)
     if plot_path:
         from ..plan.plot import plot_plan

@@ -142,6 +142,18 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
 
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """A plan file; ValueError naming the file when it is missing or not a plan."""
+        from pathlib import Path
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"{p}: no such plan file")
+        try:
+            return cls.from_json(p.read_text())
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{p}: not a lazytrain plan ({e})") from None
+
 
 def input_hash(model_config: Mapping[str, Any], hardware: HardwareSpec, job: JobSpec,
                options: PlannerOptions, method: str, versions: Mapping[str, str]) -> str:

@@ -111,10 +111,7 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
     for p in (plan_path, trace_path):
         if not p.is_file():
             raise ValueError(f"{p} not found: give the output_dir of a `lazytrain train` run (engine=lazytrain)")
-    try:
-        plan = Plan.from_json(plan_path.read_text())
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{plan_path}: not a lazytrain plan ({e})") from None
+    plan = Plan.load(plan_path)
     notes: list[str] = []
     events = _read_jsonl(trace_path, notes)
     if not any(e.get("step", 0) >= 0 for e in events):
