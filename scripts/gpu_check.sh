@@ -8,11 +8,8 @@
 #
 # Without .venv (a bare machine with CUDA torch and no network): uses python3 with this checkout on
 # PYTHONPATH, after installing the wheels in .whl/ (pulp, highspy, hydra-core, omegaconf, antlr4),
-# if present, into /tmp/site. .whl/ is git-ignored: the device tool must carry it (carry: [".whl"]);
-# fetch them for the machine's Python first, e.g. for 3.12:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform any -d .whl pulp==3.3.2 hydra-core==1.3.8 omegaconf==2.3.1 highspy
-#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
+# if present, into /tmp/site. .whl/ is git-ignored: fetch the wheels for the machine's Python first
+# (`bash scripts/fetch_device_wheels.sh 3.12`) and have the device tool carry them (carry: [".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${GPU_CHECK_DIR:-${OUT:-/tmp/gpu_check}}"
