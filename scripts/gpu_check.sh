@@ -74,21 +74,8 @@ run_train() {  # name, extra overrides...
   local rc=$?
   grep -E "busy time per resource|device peak .* budget" "$OUTDIR/train_$name.txt" | head -2
   tail -4 "$OUTDIR/train_$name.txt"
-  # what the trace saw per step (median over steps 2..): host-side spans per kind
-  $PY - "$RUNS/lt-$name/trace.jsonl" <<'PY' 2>&1 | tail -2 | tee -a "$OUTDIR/train_$name.txt"
-import collections, json, statistics, sys
-per = collections.defaultdict(lambda: collections.defaultdict(float))
-span = collections.defaultdict(lambda: [1e18, 0.0])
-for line in open(sys.argv[1]):
-    e = json.loads(line)
-    per[e["step"]][e["kind"]] += e["end_s"] - e["start_s"]
-    sp = span[e["step"]]; sp[0] = min(sp[0], e["start_s"]); sp[1] = max(sp[1], e["end_s"])
-steps = sorted(s for s in per if s >= 0)   # -1: outside steps (set-up, checkpoints)
-steps = steps[1:] or steps
-kinds = sorted({k for s in steps for k in per[s]})
-print("trace busy s/step (median): " + ", ".join(f"{k} {statistics.median(per[s][k] for s in steps):.4f}" for k in kinds)
-      + f"; first-to-last event {statistics.median(span[s][1] - span[s][0] for s in steps):.4f}")
-PY
+  # the run's trace against its plan, per resource (median over its steps after the first)
+  $LT plan trace "$RUNS/lt-$name" 2>&1 | tee -a "$OUTDIR/train_$name.txt" | tail -16
   echo "train $name rc=$rc" >> "$OUTDIR/status.txt"
 }
 run_train whole

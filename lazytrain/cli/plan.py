@@ -91,7 +91,7 @@ def cmd_show(args: list[str]) -> int:
 
 
 def cmd_trace(args: list[str]) -> int:
-    from ..plan.tracecmp import compare_run
+    from ..plan.tracecmp import TRANSFERS, compare_run
     if len(args) != 1:
         raise ConfigError("usage: lazytrain plan trace RUN_DIR  (a `lazytrain train` output_dir)")
     c = compare_run(args[0])
@@ -99,7 +99,7 @@ def cmd_trace(args: list[str]) -> int:
     def ratio(m, p):
         return f"{m / p:.2f}x" if m is not None and p > 0 else "-"
     def mib(r, b):   # bytes only for transfers (compute and optimizer items are seconds)
-        return "" if not r.kind.startswith(("h2d", "d2h", "nvme")) else "-" if b is None else f"{b / 2**20:,.1f}"
+        return "" if r.kind.split()[0] not in TRANSFERS else "-" if b is None else f"{b / 2**20:,.1f}"
     rows = [(r.kind, f"{r.predicted_s:.4f}", "-" if r.measured_s is None else f"{r.measured_s:.4f}",
              ratio(r.measured_s, r.predicted_s), mib(r, r.predicted_bytes), mib(r, r.measured_bytes))
             for r in c.rows]
@@ -111,9 +111,9 @@ def cmd_trace(args: list[str]) -> int:
            ("kind", "predicted s", "measured s", "measured/pred", "predicted MiB", "measured MiB"), rows)
     for note in c.notes:
         print(f"note: {note}")
+    cuda = "; on CUDA compute spans are host-side launch windows, not kernel time" if c.device_type == "cuda" else ""
     print("Busy time sums each kind's spans; the step overlaps them. Optimizer spans include waits for "
-          "NVMe-tier state and the copy of new weights to the device (also listed as h2d)" + ("; on CUDA compute spans are host-side launch windows, not kernel time."
-                               if c.device_type == "cuda" else "."))
+          f"NVMe-tier state and the copy of new weights to the device (also listed as h2d){cuda}.")
     return 0
 
 

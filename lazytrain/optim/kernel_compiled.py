@@ -78,27 +78,6 @@ class DeviceTables:
         self.exp_lo_v = int(tables.v.exp_lo)
 
 
-_consts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _device_consts(device: torch.device, h: dict[str, float], clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hyper-parameter row and clip coefficients as device tensors, made once per distinct
-    value (one per step and group, not one per tensor) from pinned memory: a copy from pageable
-    memory would make the host wait for every kernel queued before it."""
-    # per stream too: a tensor made on one stream may not have landed yet when another reads it
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
-    key = (device, stream, *(h[k] for k in HYPER_FIELDS), clip)
-    c = _consts.get(key)
-    if c is None:
-        if len(_consts) >= 64:
-            _consts.clear()
-        host = torch.tensor([*(h[k] for k in HYPER_FIELDS), *grad_coefs(clip, h)], dtype=torch.float32,
-                            pin_memory=device.type == "cuda")
-        dev = host.to(device, non_blocking=True)
-        c = _consts[key] = (dev[:len(HYPER_FIELDS)], dev[len(HYPER_FIELDS):])
-    return c
-
-
 def failed() -> str | None:
     """Why compiling failed in this process (then every update runs eagerly), or None."""
     return _failed
@@ -128,7 +107,9 @@ def adam8bit_update_(
     ``strict`` raises instead. Out-of-memory errors are raised as they are.
     """
     global _failed
-    hv, coef = _device_consts(weight.device, h, clip)
+    device = weight.device
+    hv = torch.tensor([h[k] for k in HYPER_FIELDS], dtype=torch.float32).to(device, non_blocking=True)
+    coef = torch.tensor(grad_coefs(clip, h), dtype=torch.float32).to(device, non_blocking=True)
     fixed = (hv, coef, tables.code_s, tables.code_u, tables.tab_m, tables.tab_v, tables.exp_lo_m, tables.exp_lo_v)
     for seg in kernel_torch.block_segments(weight, grad, qm, qv, am, av, block_size):
         if _failed is None or strict:

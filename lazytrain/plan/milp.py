@@ -31,8 +31,8 @@ import pulp
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, refetch_last_kept,
-                  update_window, weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_in_flight,
+                  held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
 
 
 
@@ -149,10 +149,9 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     kept_n = refetch_last_kept(depth)
     not_last = {j: pulp.lpSum(v for (s, e, m, t), v in x.items() if m == RECOMPUTE and s < j <= e - kept_n)
                 for j in range(1, L + 1)}
-    reuse = depth >= 2
     # the last block's backward needs a fetch only after a recompute segment of several blocks
-    # (ops.py: otherwise the streamer still holds it from its forward, one use before)
-    long_last = pulp.lpSum(v for (s, e, m, t), v in x.items() if m == RECOMPUTE and e == L and s < L - 1)
+    # (ops.py: otherwise, at depth >= 2, the streamer still holds it from its forward)
+    long_last = pulp.lpSum(v for (s, e, m, t), v in x.items() if m == RECOMPUTE and ends_long_segment(L, s, e))
 
     # ---- tiers ----------------------------------------------------------------------------
     def tier_vars(prefix, tiers, pinned):
@@ -204,7 +203,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             prob += zn[j] >= not_last[j] + pv(j, "nvme") - 1, f"zn_{j}"
     # the last block's backward fetch (reuse: only after a long recompute segment): long_last AND streamed
     wh = wn = None
-    if reuse and L >= 1:
+    if depth >= 2 and L >= 1:
         wh = pulp.LpVariable("wh_last", lowBound=0)
         prob += wh >= long_last - pv(L, "device"), "wh_last"
         if allow_nvme:
@@ -288,11 +287,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                 res[k]["compute"] += c.bwd_s + (c.fwd_s * rec[op.layer] if op.layer in rec else 0)
             nxt = ops[(k + 1) % K]
             n = layers[nxt.layer]
-            if reuse and nxt.kind == BWD and nxt.layer == L and wh is not None:
+            if nxt.kind == BWD and nxt.layer == L and wh is not None:
                 res[k]["h2d"] += n.param_bytes * wh
                 if wn is not None:
                     res[k]["nvme_read"] += n.param_bytes * wn
-            elif not (k == K - 1 and (not final or not full)):   # else still held (ops.py)
+            elif not (k == K - 1 and held_into_next_cycle(final, full)):   # else still held (ops.py)
                 res[k]["h2d"] += fetched_bytes(nxt.layer)
                 res[k]["nvme_read"] += nvme_read_bytes(nxt.layer)
             if nxt.kind == BWD and nxt.layer in zh:

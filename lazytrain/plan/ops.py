@@ -91,6 +91,18 @@ def refetch_last_kept(depth: int) -> int:
     return 2 if depth >= 2 else 1
 
 
+def ends_long_segment(num_blocks: int, s: int, e: int) -> bool:
+    """A recompute segment (s, e] of several blocks ending at the last block: its backward then
+    follows a recompute of the others, and the last block is fetched again (no reuse)."""
+    return e == num_blocks and s < num_blocks - 1
+
+
+def held_into_next_cycle(final: bool, trains_base: bool) -> bool:
+    """The embedding used by the last op (B_0) is still held for the next micro-batch's F_0:
+    always, unless the step's update changes its weights (the final micro-batch, full training)."""
+    return not final or not trains_base
+
+
 def update_window(num_blocks: int, j: int, k_backward: int, clip_grad: bool) -> int:
     """Window of layer j's optimizer update and the I/O that goes with it. Without clipping the
     executor updates a layer as soon as its gradients have landed: the window after its backward.

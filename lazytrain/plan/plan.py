@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..spec import HardwareSpec, JobSpec
@@ -145,7 +146,6 @@ class Plan:
     @classmethod
     def load(cls, path) -> "Plan":
         """A plan file; ValueError naming the file when it is missing or not a plan."""
-        from pathlib import Path
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"{p}: no such plan file")

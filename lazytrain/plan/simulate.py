@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, fwd_window, grads_in_flight, op_sequence, refetch_last_kept,
-                  update_window, weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_in_flight,
+                  held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -63,7 +63,7 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         if seg.mode == RECOMPUTE:
             for j in range(seg.s + 1, seg.e + 1 - refetch_last_kept(depth)):
                 not_last[j] = True
-            long_last = long_last or (seg.e == L and seg.s < L - 1)
+            long_last = long_last or ends_long_segment(L, seg.s, seg.e)
     reuse = depth >= 2
     overlap = hw.optimizer_overlaps_compute
 
@@ -83,7 +83,7 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         nxt = ops[(k + 1) % K]
         times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
         if ((reuse and nxt.kind == BWD and nxt.layer == L and not long_last)
-                or (k == K - 1 and (not final or not costs.trains_base))):
+                or (k == K - 1 and held_into_next_cycle(final, costs.trains_base))):
             times = 0   # still held by the streamer (ops.py)
         for owner, nbytes in weight_parts(costs, nxt.layer):
             tier = a.param_tier[owner]

@@ -123,7 +123,7 @@ def measure_disk(directory: str | Path, size_bytes: int = 256 * MiB, repeats: in
             try:
                 if f2.direct:
                     write(f2, buf2)   # allocate its blocks
-                for _ in range(repeats if f2.direct else 0):
+                for _ in range(repeats) if f2.direct else ():
                     failed: list[BaseException] = []
 
                     def reader() -> None:

@@ -139,9 +139,10 @@ class ActivationStore:
             rec = _Rec("device", layer, tuple(t.shape), tuple(t.stride()), t.dtype, t.nbytes, dev=t.detach())
             rec.counted = t.nbytes
             self.acct.alloc(rec.counted, kind)
-            self.layers[layer].kept_recs.append(t.untyped_storage().data_ptr())
-            self._protected[self.layers[layer].kept_recs[-1]] += 1
-            self.layers[layer].recs.append(rec)
+            la, sp = self.layers[layer], t.untyped_storage().data_ptr()
+            la.kept_recs.append(sp)
+            self._protected[sp] += 1
+            la.recs.append(rec)
             return rec
         return self._save(layer, tier, t)
 

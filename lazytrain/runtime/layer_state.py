@@ -139,8 +139,9 @@ class LayerTrainState:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme", "optimizer_state",
-                          step=step)
+                with trace.at_step(step):
+                    trace.add("nvme_write", self.name, s, trace.now(), 3 * self.layout.nbytes, "nvme",
+                              "optimizer_state")
                 staging.release(bufs)
 
         self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them
@@ -219,6 +220,7 @@ class LayerTrainState:
         bit for bit."""
         s = self.trace.now()
         self._direct = None
+        arrived = sum(g.nbytes for g in (*grads, *(shared or ())) if g is not None)   # what left the device
         if (first and last and shared is None and self.grad_tier == "host" and self.dtype != F32
                 and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype and not g.is_pinned()
                         for g in grads)):
@@ -229,8 +231,7 @@ class LayerTrainState:
             self._direct = [g.reshape(-1) for g in grads]
             self.has_grad = True
             self.norms = [torch.linalg.vector_norm(g) for g in self._direct] if self.track_norms else []
-            self.trace.add("d2h", self.name, s, self.trace.now(),
-                           sum(g.numel() * g.element_size() for g in self._direct), self.grad_tier, "grads")
+            self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier, "grads")
             return
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
@@ -253,7 +254,6 @@ class LayerTrainState:
             self.norms = [torch.linalg.vector_norm(acc[o:o + n]) for o, n in
                           zip(self.layout.offsets, self.layout.numels)]
         self._save("grad", self.grad_tier, acc)
-        arrived = sum(g.numel() * g.element_size() for g in (*grads, *(shared or ())) if g is not None)
         self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier, "grads")
 
     # ---- the update -----------------------------------------------------------------------

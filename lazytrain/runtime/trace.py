@@ -51,12 +51,12 @@ class Trace:
         return getattr(self._local, "step", self.step)
 
     def add(self, kind: str, layer: str, start_s: float, end_s: float, nbytes: int = 0,
-            tier: str = "device", what: str = "", step: int | None = None) -> None:
+            tier: str = "device", what: str = "") -> None:
         """`what` a transfer moves, in the simulator's words: params | activation | grads |
-        optimizer_state. `step`: for an event that completes on another thread later."""
+        optimizer_state."""
         if self.path is None:
             return
-        ev = {"step": self.current_step() if step is None else step, "kind": kind, "layer": layer,
+        ev = {"step": self.current_step(), "kind": kind, "layer": layer,
               "start_s": round(start_s, 6), "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier,
               "what": what}
         with self._lock:
