@@ -71,11 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                                 repeats=args.repeats)
         for lt in (layers[0], layers[1], layers[-1]):
             print(f"  {lt.name:<8} fwd {lt.fwd_s * 1e3:8.2f} ms  bwd {lt.bwd_s * 1e3:8.2f} ms", flush=True)
-    opt_gbps = None
-    if device.type == "cuda":   # on a CPU-only machine the copy rate stands for it (measured_spec)
-        opt_gbps = measure_host_optimizer(job, repeats=max(2, args.repeats))
-        print(f"  host optimizer update ({job.optimizer_state_bits}-bit states) "
-              f"{opt_gbps:.1f} GB/s of optimizer traffic", flush=True)
+    opt_gbps = measure_host_optimizer(job, repeats=max(2, args.repeats))
+    print(f"  host optimizer update ({job.optimizer_state_bits}-bit states) "
+          f"{opt_gbps:.1f} GB/s of optimizer traffic", flush=True)
     spec = measured_spec(base, copies, disk, peak, layers, opt_gbps)
     out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
     write_profile(spec, out, details_dict(copies, disk, peak, layers, mspec.name,

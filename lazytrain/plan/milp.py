@@ -31,8 +31,8 @@ import pulp
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_in_flight,
-                  held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_copied,
+                  grads_in_flight, held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
 
 
 
@@ -182,6 +182,9 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     def nvme_read_bytes(j):
         return sum(b * pv(owner, "nvme") for owner, b in parts[j])
 
+    def host_fetched_bytes(j):
+        return sum(b * pv(owner, "host") for owner, b in parts[j])
+
     # Symmetry breaking: consecutive identical blocks are interchangeable in the window model, so
     # order their tiers (device-resident first, NVMe last). This removes the permutations that
     # otherwise keep branch-and-bound busy proving optimality, and loses nothing.
@@ -209,6 +212,17 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         if allow_nvme:
             wn = pulp.LpVariable("wn_last", lowBound=0)
             prob += wn >= long_last + pv(L, "nvme") - 1, "wn_last"
+    # CPU as the device (HardwareSpec.copies_share_compute): only host-tier weights are copied (an
+    # NVMe read lands in device memory), so those reloads need their host-tier products
+    cpu = hw.copies_share_compute
+    zhh, whh = (dict(zh), wh) if not allow_nvme else ({}, None)
+    if cpu and allow_nvme:
+        for j in range(1, L + 1):
+            zhh[j] = pulp.LpVariable(f"zhh_{j}", lowBound=0)
+            prob += zhh[j] >= not_last[j] + pv(j, "host") - 1, f"zhh_{j}"
+        if wh is not None:
+            whh = pulp.LpVariable("whh_last", lowBound=0)
+            prob += whh >= long_last + pv(L, "host") - 1, "whh_last"
 
     Bmax = pulp.LpVariable("Bmax", lowBound=0)
     Bnvme = pulp.LpVariable("Bnvme", lowBound=0)
@@ -275,7 +289,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
 
     # ---- windows --------------------------------------------------------------------------
     def loads(final: bool) -> list[dict[str, object]]:
-        res = [{r: 0 for r in ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")}
+        # h2d_host: the part of h2d that is a copy on a CPU device (not what NVMe reads bring)
+        res = [{r: 0 for r in ("compute", "h2d", "h2d_host", "d2h", "nvme_read", "nvme_write", "optimizer")}
                for _ in range(K)]
         for k, op in enumerate(ops):
             c = layers[op.layer]
@@ -289,13 +304,16 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             n = layers[nxt.layer]
             if nxt.kind == BWD and nxt.layer == L and wh is not None:
                 res[k]["h2d"] += n.param_bytes * wh
+                res[k]["h2d_host"] += n.param_bytes * whh if cpu else 0
                 if wn is not None:
                     res[k]["nvme_read"] += n.param_bytes * wn
             elif not (k == K - 1 and held_into_next_cycle(final, full)):   # else still held (ops.py)
                 res[k]["h2d"] += fetched_bytes(nxt.layer)
+                res[k]["h2d_host"] += host_fetched_bytes(nxt.layer) if cpu else 0
                 res[k]["nvme_read"] += nvme_read_bytes(nxt.layer)
             if nxt.kind == BWD and nxt.layer in zh:
                 res[k]["h2d"] += n.param_bytes * zh[nxt.layer]
+                res[k]["h2d_host"] += n.param_bytes * zhh[nxt.layer] if cpu else 0
                 if nxt.layer in zn:
                     res[k]["nvme_read"] += n.param_bytes * zn[nxt.layer]
         for (s, e, m, t), v in x.items():
@@ -306,6 +324,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             k_in = bwd_window(L, e) - 1
             res[k_out]["d2h"] += nb * v
             res[k_in]["h2d"] += nb * v
+            res[k_in]["h2d_host"] += nb * v if t == "host" else 0
             if t == "nvme":
                 res[k_out]["nvme_write"] += nb * v
                 res[k_in]["nvme_read"] += nb * v
@@ -313,7 +332,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             for j, c in enumerate(layers):
                 k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
                 k_g = after(L, k_b)
-                res[k_g]["d2h"] += c.grad_device_bytes
+                res[k_g]["d2h"] += c.grad_device_bytes if grads_copied(costs, j) else 0
                 if G > 1 and (j, "nvme") in g:
                     res[k_g]["nvme_read"] += c.grad_store_bytes * g[j, "nvme"]
                     res[k_g]["nvme_write"] += c.grad_store_bytes * g[j, "nvme"]
@@ -325,7 +344,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                         res[k_u]["nvme_read"] += c.optimizer_bytes * o[j, "nvme"]
                         res[k_u]["nvme_write"] += c.optimizer_bytes * o[j, "nvme"]
                     res[k_u]["nvme_write"] += c.param_store_bytes * pv(j, "nvme")
+                    # (on a CPU device the update writes the resident weights itself: no copy)
                     res[k_u]["h2d"] += c.param_store_bytes * pv(j, "device")
+        if cpu:   # the copies take the compute lane's time (the simulator does the same)
+            for ld in res:
+                ld["compute"] += (1.0 / hw.h2d_bytes_per_s) * ld["h2d_host"] + (1.0 / hw.d2h_bytes_per_s) * ld["d2h"]
+                ld["h2d"] = ld["d2h"] = 0
         return res
 
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,

@@ -61,6 +61,15 @@ def weight_parts(costs, j: int) -> tuple[tuple[int, int], ...]:
     return ((j, c.param_store_bytes), (0, borrowed))
 
 
+def grads_copied(costs, j: int) -> bool:
+    """Whether layer j's gradients are copied off the device (a d2h). Not with `direct_grads`
+    (a CPU device training in a 16-bit master dtype, one micro-batch: the update reads them where
+    backward left them), except the embedding's when a tied head adds its share to them."""
+    if not costs.direct_grads:
+        return True
+    return j == 0 and len(weight_parts(costs, costs.num_blocks + 1)) > 1
+
+
 def op_sequence(num_blocks: int) -> list[Op]:
     L = num_blocks
     return ([Op(FWD, j) for j in range(0, L + 1)] + [Op(HEAD, L + 1)]

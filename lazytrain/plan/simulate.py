@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_in_flight,
-                  held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_copied,
+                  grads_in_flight, held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -66,6 +66,7 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
             long_last = long_last or ends_long_segment(L, seg.s, seg.e)
     reuse = depth >= 2
     overlap = hw.optimizer_overlaps_compute
+    cpu = hw.copies_share_compute   # no copy after an NVMe read; copies run on the compute lane
 
     for k, op in enumerate(ops):
         c = layers[op.layer]
@@ -93,7 +94,8 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
             for _ in range(times):
                 if tier == "nvme":
                     items[k].append(("nvme_read", "nvme_read", name, "params", nbytes))
-                items[k].append(("h2d", "h2d", name, "params", nbytes))
+                if not (cpu and tier == "nvme"):
+                    items[k].append(("h2d", "h2d", name, "params", nbytes))
 
     for seg in a.segments:
         if seg.tier == "device":
@@ -107,13 +109,15 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         k_in = bwd_window(L, seg.e) - 1
         if seg.tier == "nvme":
             items[k_in].append(("nvme_read", "nvme_read", name, "activation", nbytes))
-        items[k_in].append(("h2d", "h2d", name, "activation", nbytes))
+        if not (cpu and seg.tier == "nvme"):
+            items[k_in].append(("h2d", "h2d", name, "activation", nbytes))
 
     if costs.trains_base:
         for j, c in enumerate(layers):  # the head's grads leave after the head op
             k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
             k_g = after(L, k_b)
-            items[k_g].append(("d2h", "d2h", c.name, "grads", c.grad_device_bytes))
+            if grads_copied(costs, j):
+                items[k_g].append(("d2h", "d2h", c.name, "grads", c.grad_device_bytes))
             if costs.grad_accum > 1 and a.grad_tier[j] == "nvme":
                 items[k_g].append(("nvme_read", "nvme_read", c.name, "grads", c.grad_store_bytes))
                 items[k_g].append(("nvme_write", "nvme_write", c.name, "grads", c.grad_store_bytes))
@@ -126,7 +130,8 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
                     items[k_u].append(("nvme_write", "nvme_write", c.name, "optimizer_state", c.optimizer_bytes))
                 if a.param_tier[j] == "nvme":
                     items[k_u].append(("nvme_write", "nvme_write", c.name, "params", c.param_store_bytes))
-                elif a.param_tier[j] == "device":
+                elif a.param_tier[j] == "device" and not cpu:   # (on a CPU device the update
+                    # writes the resident weights itself, counted in its traffic: no copy)
                     items[k_u].append(("h2d", "h2d", c.name, "params", c.param_store_bytes))
     return items
 
@@ -203,6 +208,8 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
                 dur = amount / rate if rate else amount
                 # a half-duplex drive: reads and writes queue on one cursor
                 lane = "nvme" if res.startswith("nvme") and not hw.nvme_full_duplex else res
+                if hw.copies_share_compute and res in ("h2d", "d2h"):
+                    lane = "compute"   # a memcpy by the cores that compute
                 start = cursor[lane]
                 cursor[lane] = start + dur
                 events.append(Event(res, kind, layer, m, start, start + dur,

@@ -235,6 +235,9 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
     top = ", ".join(f"{r} {s:.3f} s" for r, s in busy.most_common(4))
     lines.append(f"busy time per resource: {top}; step {tl.step_time_s:.3f} s, of which "
                  f"{tl.exposed_transfer_s:.3f} s not hidden behind compute")
+    if plan.hardware.copies_share_compute:
+        lines.append("the device is the CPU: host<->device copies are memcpys by the computing cores "
+                     "(they add to the step), NVMe reads land in device memory")
     dev = plan.predicted.peak_bytes["device"]
     lines.append(f"device peak {_gib(dev)} of {_gib(plan.hardware.device_memory_bytes)} budget")
     return lines

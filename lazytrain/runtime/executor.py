@@ -40,6 +40,7 @@ from ..storage.tiers import HostStore, NvmeStore, StagingSets, check_nvme_dir
 from .accountant import MemoryAccountant
 from .activations import ActivationStore
 from .layer_state import LayerTrainState, clip_scale_for, total_norm
+from .malloc import keep_freed_memory
 from .state import executor_state_dict, executor_state_shards, load_executor_state_dict
 from .streamer import ParamStreamer, StreamedLayer, use_sequence
 from .trace import Trace
@@ -148,6 +149,8 @@ class StreamingExecutor:
         self.device = torch.device(device) if device is not None else \
             torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"
+        if not self.cuda:
+            keep_freed_memory()   # no page faults for the tensors every layer re-allocates (malloc.py)
         self.parts: DecoderParts = find_parts(model)
         names = self.parts.layer_names()
         _check_plan(plan, names)
@@ -358,7 +361,10 @@ class StreamingExecutor:
                     # machine vs 53 pinned): with every layer resident there, the optimizer thread
                     # took 146 ms/step against 67 ms for the update alone.
                     src = _to_pinned(master, lay.resident.dtype)
-                with self.trace.span("h2d", lay.name, lay.resident.nbytes, "device", "params"):
+                if self.cuda:
+                    with self.trace.span("h2d", lay.name, lay.resident.nbytes, "device", "params"):
+                        lay.resident.copy_(src)
+                else:   # the update's own write of the compute-dtype weights (no transfer on a CPU)
                     lay.resident.copy_(src)
             elif d.param_tier == "host":
                 dst = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)

@@ -44,6 +44,13 @@ class HardwareSpec:
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"hardware.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
 
+    @property
+    def copies_share_compute(self) -> bool:
+        """The device is the CPU: a host<->device copy is a memcpy by the cores that compute, so
+        it takes compute time (the executor runs it in the step's order), and an NVMe read lands
+        in device memory with no copy after it."""
+        return self.device_type == "cpu"
+
     # planner units
     @property
     def device_memory_bytes(self) -> int: return int(self.device_memory_gib * GiB)

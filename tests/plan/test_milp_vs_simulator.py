@@ -34,6 +34,9 @@ def _random_problem(rng: random.Random, llama, hw, tied: bool = False):
            host_reserve_gib=0.0, optimizer_overlaps_compute=rng.random() < 0.7,
            nvme_full_duplex=rng.random() < 0.5)
     job = replace(job, clip_grad=rng.random() < 0.5)
+    # drawn last, so the problems above stay what they were: the CPU as the device, where copies
+    # take compute time and NVMe reads land in device memory
+    h = replace(h, device_type="cpu" if rng.random() < 0.4 else "cuda")
     return model, h, job
 
 
@@ -42,7 +45,7 @@ def _close(a, b, tol=0.01):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("seed", range(14))
+@pytest.mark.parametrize("seed", range(18))
 def test_milp_agrees_with_simulator(seed, tied, make_llama, make_hw):
     rng = random.Random(seed)
     model, h, job = _random_problem(rng, make_llama, make_hw, tied=tied)
@@ -185,3 +188,37 @@ def test_clipped_updates_wait_for_the_backward_and_overlap_the_next_forward(make
                 assert opt.start_s >= ev["compute_fwd", costs.layers[j - 1].name].start_s - 1e-12
         assert bwd_end > 0 and bwd_window(L, 0) == 2 * L + 2
     assert times[True] > 1.1 * times[False]
+
+
+def test_cpu_device_copies_take_compute_time(small):
+    """On a CPU device a host-tier fetch or offload is a memcpy by the computing cores: the
+    simulator puts it on the compute lane (nothing there overlaps), an NVMe-tier layer or
+    activation needs no copy after its read, and the MILP's pinned evaluation agrees."""
+    model, h, job = small
+    L = model.num_layers
+    segs = (Segment(0, 2, RECOMPUTE, "host"), Segment(2, 3, STORE, "device"), Segment(3, 4, STORE, "nvme"),
+            Segment(4, 6, RECOMPUTE, "device"))
+    # (blocks ordered device < host < nvme: the MILP's symmetry breaking)
+    tiers = ("host",) + ("host",) * (L // 2) + ("nvme",) * (L - L // 2) + ("device",)
+    pins = Pins(segments=segs, param_tier=tiers, optimizer_tier=("host",) * (L + 2))
+    times = {}
+    for device_type in ("cuda", "cpu"):
+        hh = replace(h, device_type=device_type, device_memory_gib=10, host_memory_gib=64)
+        costs = job_costs(model, hh, job)
+        r = solve_milp(costs, hh, pins=pins)
+        assert r.status == "optimal"
+        tl = simulate(costs, r.assignment, hh)
+        assert _close(r.objective_s, tl.step_time_s), device_type
+        times[device_type] = tl.step_time_s
+        h2d = [e for e in tl.events if e.kind == "h2d"]
+        nvme_layers = {costs.layers[j].name for j, t in enumerate(tiers) if t == "nvme"}
+        copied_nvme = [e for e in h2d if e.what == "params" and e.layer in nvme_layers]
+        if device_type == "cuda":
+            assert copied_nvme
+            continue
+        assert not copied_nvme
+        assert [e for e in h2d if e.what == "params"]   # the host-tier layers are still copied
+        lane = sorted((e.start_s, e.end_s) for e in tl.events
+                      if e.kind in ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h"))
+        assert all(b[0] >= a[1] - 1e-12 for a, b in zip(lane, lane[1:])), "compute-lane events overlap"
+    assert times["cpu"] > times["cuda"]   # same rates: copies no longer hide behind compute

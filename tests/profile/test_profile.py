@@ -38,7 +38,7 @@ def test_measured_drive_duplex_sets_the_planner_mode():
     assert measured_spec(base, cpu, disk(None), 1.0, None).nvme_full_duplex is True   # base kept
 
 
-def test_host_optimizer_rate_sets_host_memory_gbps_on_a_gpu_machine():
+def test_host_optimizer_rate_sets_host_memory_gbps():
     rates = {bits: measure_host_optimizer(JobSpec(optimizer_state_bits=bits), numel=1 << 16, repeats=1)
              for bits in (32, 8)}
     assert all(0 < r < 1e4 for r in rates.values()), rates
@@ -49,8 +49,9 @@ def test_host_optimizer_rate_sets_host_memory_gbps_on_a_gpu_machine():
     cpu = CopyRates("cpu", None, None, 26.0, 26.0, MiB)
     assert measured_spec(base, gpu, None, 100.0, None, rates[8]).host_memory_gbps == round(rates[8], 3)
     assert measured_spec(base, gpu, None, 100.0, None, None).host_memory_gbps == 60.0   # not measured
-    # CPU-only: the copy rate stands for the update (the host is the device)
-    assert measured_spec(base, cpu, None, 1.0, None, rates[8]).host_memory_gbps == 26.0
+    # CPU-only: the timed update too; the copy rate stands in only when it was not timed
+    assert measured_spec(base, cpu, None, 1.0, None, rates[32]).host_memory_gbps == round(rates[32], 3)
+    assert measured_spec(base, cpu, None, 1.0, None, None).host_memory_gbps == 26.0
 
 
 def test_layer_times_cover_every_planner_layer():
