@@ -126,5 +126,5 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
         trains_base=full, clip_grad=job.clip_grad,
         direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1
-                      and job.master_bytes == job.compute_bytes < 4),
+                      and job.master_dtype == job.compute_dtype and job.master_bytes < 4),
     )

@@ -279,7 +279,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             host += pulp.lpSum(c.grad_store_bytes / GiB * g[j, "host"] for j, c in enumerate(layers) if (j, "host") in g)
             nvme += pulp.lpSum(c.grad_store_bytes / GiB * g[j, "nvme"] for j, c in enumerate(layers) if (j, "nvme") in g)
         else:
-            host += 2 * max(c.grad_store_bytes for c in layers) / GiB
+            host += sum(c.grad_store_bytes for c in layers) / GiB   # (simulate.memory_peaks)
     Hpk = pulp.LpVariable("host_peak", lowBound=0)
     Npk = pulp.LpVariable("nvme_peak", lowBound=0)
     prob += Hpk == host, "host_peak_def"

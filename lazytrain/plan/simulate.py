@@ -185,8 +185,9 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
         if costs.grad_accum > 1:
             host += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "host")
             nvme += sum(c.grad_store_bytes for c, t in zip(layers, a.grad_tier) if t == "nvme")
-        else:  # grads are consumed as they land: a double buffer of the largest layer's
-            host += 2 * max(c.grad_store_bytes for c in layers)
+        else:  # every layer's accumulator on the host (with clipping all of them are held
+            # until the global norm is known; the executor allocates them all either way)
+            host += sum(c.grad_store_bytes for c in layers)
     return {"device": max(b for _, b in curve), "host": int(host), "nvme": int(nvme)}, curve
 
 

@@ -249,7 +249,10 @@ class ParamStreamer:
             # slower, the same step time), so it runs here, at full speed, in the step's order;
             # the planner charges it to the compute lane (HardwareSpec.copies_share_compute).
             done: Future = Future()
-            done.set_result(job())
+            try:
+                done.set_result(job())
+            except BaseException as e:   # surfaced by _wait/_evict, as from the I/O thread
+                done.set_exception(e)
             lay.fetch = done
             return
         lay.fetch = self.pool.submit(job)
@@ -268,8 +271,11 @@ class ParamStreamer:
 
     def _evict(self, lay: StreamedLayer) -> None:
         if lay.fetch is not None:
-            lay.fetch.result()
-            lay.fetch = None
+            fetch, lay.fetch = lay.fetch, None
+            try:
+                fetch.result()   # the transfer must be over before its buffer is reused
+            except Exception:    # noqa: BLE001 - a failed fill of a buffer being dropped: nothing
+                pass             # used it (a use raises it; a failed update also raises in wait())
         buf = lay.extra.pop("buf", None)
         lay.held = None
         self._unbind(lay)

@@ -343,6 +343,27 @@ def test_streaming_buffers_are_reused_across_steps(tmp_path, depth, monkeypatch)
     assert allocs == []
 
 
+def test_a_failed_in_place_fetch_is_raised_at_use_and_frees_its_buffer(tmp_path):
+    """On a CPU device host-tier fetches run in place: a failure (here the layer's pending update)
+    surfaces where the layer is used, and its buffer is still released and uncounted."""
+    from concurrent.futures import Future
+    ex = StreamingExecutor(tiny_model("llama", num_hidden_layers=4), hand_plan(4, param_tier="host"),
+                           device="cpu", nvme_dir=tmp_path)
+    ex.train_step(random_batches(1, seed=0))
+    s = ex.streamer
+    s.invalidate()
+    bad: Future = Future()
+    bad.set_exception(RuntimeError("update failed"))
+    s.layers[0].ready = bad
+    s.prefetch_first(ex.use_seq)   # no raise here: the fetch holds the error
+    with pytest.raises(RuntimeError, match="update failed"):
+        s.use(0)
+    s.layers[0].ready = None
+    s.invalidate()   # dropping the failed buffer raises nothing more
+    ex.close()
+    assert ex.acct.by_kind["params_streamed"] == 0 and s._pool_bytes == 0
+
+
 def test_staging_sets_bound_and_reuse_buffers():
     import threading
 
