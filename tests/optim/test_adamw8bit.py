@@ -43,7 +43,7 @@ def _set(params, grads):
 def _opt(params, **kw):
     kw.setdefault("block_size", BLOCK)
     kw.setdefault("min_8bit_numel", 4096)
-    return AdamW8bit(params, lr=1e-2, weight_decay=0.1, **kw)
+    return AdamW8bit(params, lr=1e-2, **{"weight_decay": 0.1, **kw})
 
 
 def _dequant_states(opt, p):
@@ -289,14 +289,16 @@ def _cpp_or_skip():
         pytest.skip(f"C++ kernel unavailable: {kernel_cpp.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("dtype,decades", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 14)])
-def test_cpp_kernel_equals_pure_torch_kernel_bit_exactly(dtype, decades):
+@pytest.mark.parametrize("dtype,decades,wd", [(torch.float32, 4, 0.1), (torch.bfloat16, 4, 0.1),
+                                               (torch.float32, 14, 0.1), (torch.float32, 4, 0.0)])
+def test_cpp_kernel_equals_pure_torch_kernel_bit_exactly(dtype, decades, wd):
     """Full blocks take the SIMD kernel (AVX-512 VBMI where the CPU has it), tail blocks the masked
-    one; 14 decades inside a block reach the underflow codes of both maps."""
+    one; 14 decades inside a block reach the underflow codes of both maps; without weight decay
+    the kernel skips the multiply by 1."""
     _cpp_or_skip()
     params_c, params_t = _params(dtype), _params(dtype)
-    opt_c = _opt(params_c, backend="cpp")
-    opt_t = _opt(params_t, backend="torch")
+    opt_c = _opt(params_c, backend="cpp", weight_decay=wd)
+    opt_t = _opt(params_t, backend="torch", weight_decay=wd)
     for step in range(4):
         grads = _grads(params_c, seed=step, decades=decades)
         grads[0].view(-1)[:50] = 0.0  # exact zeros and a whole quiet region

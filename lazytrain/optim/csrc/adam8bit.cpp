@@ -197,11 +197,12 @@ inline __m512i quant_v(__m512 x, const VMap& q) {
 // the betas, the clip scale folded into the gradient coefficients, and the other hyper-parameters.
 struct VHyper {
   __m512 amb1, avb2, c1, c2, eps, decay, step, ibc2;
+  bool no_decay;   // weight_decay 0: skip the multiply (~2% of the step)
   VHyper(const Hyper& h, float c, float absmax_m, float absmax_v)
       : amb1(_mm512_set1_ps(absmax_m * h.b1)), avb2(_mm512_set1_ps(absmax_v * h.b2)),
         c1(_mm512_set1_ps(c * h.omb1)), c2(_mm512_set1_ps((c * c) * h.omb2)),
         eps(_mm512_set1_ps(h.eps)), decay(_mm512_set1_ps(h.decay)), step(_mm512_set1_ps(h.step_size)),
-        ibc2(_mm512_set1_ps(h.inv_bc2_sqrt)) {}
+        ibc2(_mm512_set1_ps(h.inv_bc2_sqrt)), no_decay(h.decay == 1.0f) {}
 };
 
 // The AdamW update of 16 elements (block_scalar's arithmetic, in the same order): from the
@@ -210,7 +211,7 @@ inline __m512 adam16(const VHyper& p, __m512 g, __m512 code_m, __m512 code_v, __
                      __m512& v) {
   m = _mm512_add_ps(_mm512_mul_ps(code_m, p.amb1), _mm512_mul_ps(g, p.c1));
   v = _mm512_add_ps(_mm512_mul_ps(code_v, p.avb2), _mm512_mul_ps(_mm512_mul_ps(g, g), p.c2));
-  const __m512 wi = _mm512_mul_ps(w, p.decay);
+  const __m512 wi = p.no_decay ? w : _mm512_mul_ps(w, p.decay);   // (w * 1.0f == w, bit for bit)
   const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), p.ibc2), p.eps);
   return _mm512_sub_ps(wi, _mm512_mul_ps(_mm512_div_ps(m, denom), p.step));
 }
@@ -341,8 +342,10 @@ inline void dequant64(__m512i c, const BMap& q, const Perm& pm, __m512* out) {
 inline __m256i quant32(__m512 x0, __m512 x1, const BMap& q, const Perm& pm) {
   const __m512i w = _mm512_permutex2var_epi16(_mm512_castps_si512(x0), pm.hi16, _mm512_castps_si512(x1));
   const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
-  __m512i t = _mm512_sub_epi16(_mm512_srli_epi16(mag, 7), q.exp_lo);
-  t = _mm512_min_epi16(_mm512_max_epi16(t, _mm512_setzero_si512()), _mm512_set1_epi16(kTable - 1));
+  // exponent field (0..255) - exp_lo, clamped to [0, 31]: a saturating subtract does the lower
+  // clamp (one instruction less per 32 elements; ~5% of the step)
+  __m512i t = _mm512_subs_epu16(_mm512_srli_epi16(mag, 7), q.exp_lo);
+  t = _mm512_min_epu16(t, _mm512_set1_epi16(kTable - 1));
   const __m512i shift = _mm512_permutexvar_epi16(t, q.shift);
   const __m512i half = _mm512_permutexvar_epi16(t, q.half);
   const __m512i bias = _mm512_permutexvar_epi16(t, q.bias);
