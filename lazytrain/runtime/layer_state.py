@@ -88,9 +88,19 @@ class LayerTrainState:
         self._wait_writes()
         bufs = self.staging.acquire(self.layout.nbytes)
         reads: dict[str, Future] = {}
+        trace, nvme, name, nbytes = self.trace, self.nvme, self.name, self.layout.nbytes
+        step = trace.current_step()   # read ahead: it may run while the next step has begun
+
+        def read(key: str, buf: torch.Tensor) -> None:
+            # traced where the I/O runs (the update's wait for it is not drive time)
+            s = trace.now()
+            nvme.read_sync(key, buf)
+            with trace.at_step(step):
+                trace.add("nvme_read", name, s, trace.now(), nbytes, "nvme", "optimizer_state")
+
         try:
             for w, b in zip(OPT_KEYS, bufs):
-                reads[w] = self.nvme.read_into(self._key(w), b, self.state_io)
+                reads[w] = (self.state_io or nvme.pool).submit(read, self._key(w), b)
         except BaseException:
             for f in reads.values():
                 f.exception()
@@ -121,9 +131,7 @@ class LayerTrainState:
     def _staged(self, what: str) -> torch.Tensor:
         self.prefetch()   # no-op when already read ahead
         bufs, reads = self._set
-        s = self.trace.now()
-        reads[what].result()
-        self.trace.add("nvme_read", self.name, s, self.trace.now(), self.layout.nbytes, "nvme", "optimizer_state")
+        reads[what].result()   # (the read is traced by its job)
         return typed(bufs[OPT_KEYS.index(what)], self.dtype, self.numel)
 
     def _write_back_staged(self) -> None:
