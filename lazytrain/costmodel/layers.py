@@ -50,8 +50,9 @@ class JobCosts:
     nvme_capacity_bytes: int
     trains_base: bool         # full fine-tuning (grads and optimizer for every layer)
     clip_grad: bool = False   # updates wait for the global gradient norm (plan/ops.update_window)
-    # a CPU device, one micro-batch, a 16-bit master in the compute dtype (pure bf16): the update
-    # reads the gradients where backward left them (runtime LayerTrainState.accumulate; plan.ops.grads_copied)
+    # a CPU device, one micro-batch, no clipping, a 16-bit master in the compute dtype (pure bf16):
+    # the update reads the gradients where backward left them (runtime LayerTrainState.accumulate;
+    # plan.ops.grads_copied)
     direct_grads: bool = False
 
     @property
@@ -125,6 +126,6 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         host_static_bytes=0, host_capacity_bytes=host_capacity,
         device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
         trains_base=full, clip_grad=job.clip_grad,
-        direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1
+        direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1 and not job.clip_grad
                       and job.master_dtype == job.compute_dtype and job.master_bytes < 4),
     )

@@ -63,8 +63,8 @@ def weight_parts(costs, j: int) -> tuple[tuple[int, int], ...]:
 
 def grads_copied(costs, j: int) -> bool:
     """Whether layer j's gradients are copied off the device (a d2h). Not with `direct_grads`
-    (a CPU device training in a 16-bit master dtype, one micro-batch: the update reads them where
-    backward left them), except the embedding's when a tied head adds its share to them."""
+    (a CPU device training in a 16-bit master dtype, one micro-batch, no clipping: the update reads
+    them where backward left them), except the embedding's when a tied head adds its share."""
     if not costs.direct_grads:
         return True
     return j == 0 and len(weight_parts(costs, costs.num_blocks + 1)) > 1

@@ -230,17 +230,19 @@ class LayerTrainState:
         self._direct = None
         arrived = sum(g.nbytes for g in (*grads, *(shared or ())) if g is not None)   # what left the device
         if (first and last and shared is None and self.grad_tier == "host" and self.dtype != F32
+                and not self.track_norms
                 and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype and not g.is_pinned()
                         for g in grads)):
             # One micro-batch whose grads already are host tensors of the master dtype (pure bf16
-            # on a CPU device): the update reads them where they are, no copy into the accumulator.
-            # (Not pinned ones, copied off a GPU: held until the update, they would keep the pinned
-            # allocator's cache at every layer's size; they are copied into the store instead.)
+            # on a CPU device), updated right after this backward (no clipping): the update reads
+            # them where they are, no copy into the accumulator. (With clipping every layer's
+            # would stay alive, uncounted, until the global norm is known: they are copied into
+            # the host store instead; so are pinned ones copied off a GPU, which would keep the
+            # pinned allocator's cache at every layer's size.)
             self._direct = [g.reshape(-1) for g in grads]
             self.has_grad = True
-            self.norms = [torch.linalg.vector_norm(g) for g in self._direct] if self.track_norms else []
-            self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier, "grads")
-            return
+            self.norms = []
+            return   # nothing moved (the plan counts no d2h either: plan.ops.grads_copied)
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             dst = acc[o:o + n]
@@ -288,11 +290,9 @@ class LayerTrainState:
         direct, self._direct = self._direct, None
         grad = self._load("grad", self.grad_tier) if direct is None else None
         if clip_scale is not None and float(clip_scale) != 1.0:
-            # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly)
-            if direct is not None:
-                torch._foreach_mul_(direct, clip_scale)
-            else:
-                grad.mul_(clip_scale)
+            # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly; read-in-
+            # place gradients come only without clipping)
+            grad.mul_(clip_scale)
         master = self._staged("master") if staged else self._load("master", self.optimizer_tier)
         if opt8 is not None:
             p = opt8.param_groups[0]["params"][0]
