@@ -179,6 +179,7 @@ class StreamingExecutor:
                       if t.device.type == "cuda" and t.device.index == idx)
             self._foreign_bytes = max(0, torch.cuda.memory_allocated(idx) - own)
         self.pool = IOPool(workers=2)
+        self.publish_io = IOPool(workers=1)   # NVMe-tier weights written after their update, in order
         # Host-side gradient accumulation and optimizer updates run on their own thread, overlapped
         # with the device's compute. When the CPU is the device the same cores would run both (the
         # planner's `optimizer_overlaps_compute: false`): they run inline, in the same order, which
@@ -371,12 +372,20 @@ class StreamingExecutor:
                 if dst.data_ptr() != master.data_ptr():   # else the master is the store (pure bf16)
                     dst.copy_(master)
             else:
+                # Written behind the update, on its own I/O thread (as the planner overlaps it): a
+                # synchronous write held the step for the drive's time (~0.5 s a step on the NVMe
+                # bench plan). The next fetch of the layer, wait() and checkpoints wait for it.
                 buf = aligned_empty(lay.layout.padded_nbytes)
                 typed(buf, lay.layout.dtype, lay.layout.numel).copy_(master)
-                s = self.trace.now()
-                self.nvme.write_sync(self.streamer.key(lay), buf)
-                self.trace.add("nvme_write", lay.name, s, self.trace.now(), lay.layout.padded_nbytes, "nvme",
-                               "params")
+                key, trace, step = self.streamer.key(lay), self.trace, self.trace.current_step()
+
+                def publish() -> None:
+                    s = trace.now()
+                    self.nvme.write_sync(key, buf)
+                    with trace.at_step(step):
+                        trace.add("nvme_write", lay.name, s, trace.now(), lay.layout.padded_nbytes, "nvme",
+                                  "params")
+                lay.publish = self.publish_io.submit(publish)
         return write
 
     # ---- one layer -----------------------------------------------------------------------
@@ -783,10 +792,14 @@ class StreamingExecutor:
                 grp["lr"] = float(lr)
 
     def wait(self) -> None:
-        """Block until every queued optimizer update has been applied."""
+        """Block until every queued optimizer update has been applied (and its NVMe-tier weights
+        written: a failed write is raised here, or at the layer's next fetch)."""
         for lay in self.layers:
             if lay.ready is not None:
                 lay.ready.result()
+        for lay in self.layers:
+            if lay.publish is not None:
+                lay.publish.result()
 
     def _layer_values(self, i: int) -> list[torch.Tensor]:
         """Current compute-dtype weights of layer i, as fresh tensors (not views of any buffer)."""
@@ -798,6 +811,8 @@ class StreamingExecutor:
         elif d.param_tier == "host":
             flat = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel).clone()
         else:
+            if lay.publish is not None:
+                lay.publish.result()
             buf = aligned_empty(lay.layout.padded_nbytes)
             self.nvme.read_sync(self.streamer.key(lay), buf)
             flat = typed(buf, lay.layout.dtype, lay.layout.numel).clone()
@@ -854,6 +869,7 @@ class StreamingExecutor:
             self.streamer.close()
             self.acts.close()
             self.opt_pool.shutdown(wait=True)
+            self.publish_io.shutdown()
             self.pool.shutdown()
             if getattr(self, "state_io", None) is not None:
                 self.state_io.shutdown()

@@ -39,6 +39,7 @@ class StreamedLayer:
     layout: FlatLayout
     tier: str                           # param tier: device | host | nvme
     ready: Future | None = None         # pending optimizer update that rewrites the weights
+    publish: Future | None = None       # NVMe tier: the write of its updated weights, maybe landing
     resident: torch.Tensor | None = None  # device buffer of a device-tier layer
     held: torch.Tensor | None = None    # typed flat device buffer while fetched
     fetch: Future | None = None
@@ -219,6 +220,9 @@ class ParamStreamer:
         def fetch():
             if ready is not None:
                 ready.result()
+            publish = lay.publish   # read after the update: it is what sets a new one
+            if publish is not None:
+                publish.result()
             s = self.trace.now()
             if not self.cuda:
                 if lay.tier == "nvme":

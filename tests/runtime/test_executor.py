@@ -413,6 +413,31 @@ def test_nvme_state_write_back_failure_is_raised_with_the_file(tmp_path):
         ex.close()                                # and so does close, for the other layers
 
 
+def test_nvme_weight_write_failure_is_raised_with_the_file(tmp_path):
+    """NVMe-tier weights are written behind their update: a failed write surfaces, naming the
+    file, at the layer's next fetch, and wait() raises it too."""
+    from lazytrain.storage.aligned_io import DiskIOError
+    ex = StreamingExecutor(tiny_model("llama"), hand_plan(3, param_tier="nvme"), device="cpu",
+                           nvme_dir=tmp_path, lr=1e-3)
+    ex.train_step(random_batches(1, seed=0))
+    real = ex.nvme.write_sync
+
+    def failing(key, buf):
+        if key == "block.1.param":
+            raise DiskIOError(28, f"write {key}.bin: No space left on device")
+        real(key, buf)
+    ex.nvme.write_sync = failing
+    ex.train_step(random_batches(1, seed=1))      # block.1's new weights fail to land
+    ex.nvme.write_sync = real
+    with pytest.raises(DiskIOError, match=r"block.1.param.*No space left"):
+        ex.train_step(random_batches(1, seed=2))  # its next fetch
+    with pytest.raises(DiskIOError, match=r"block.1.param"):
+        ex.wait()
+    for lay in ex.layers:
+        lay.publish = None
+    ex.close()
+
+
 @pytest.mark.parametrize("clip", [1.0, None])
 def test_nvme_state_read_ahead_on_an_optimizer_thread(tmp_path, clip):
     """With updates on their own thread (as on CUDA) the read-ahead, updates and write-backs of
