@@ -103,6 +103,9 @@ def _to_pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return out
 
 
+PUBLISH_IN_FLIGHT = 2   # NVMe-tier weight writes queued behind their updates at once
+
+
 class _InlinePool:
     """A ThreadPoolExecutor stand-in that runs each job at submit time (same order, same thread)."""
 
@@ -180,6 +183,7 @@ class StreamingExecutor:
             self._foreign_bytes = max(0, torch.cuda.memory_allocated(idx) - own)
         self.pool = IOPool(workers=2)
         self.publish_io = IOPool(workers=1)   # NVMe-tier weights written after their update, in order
+        self._publishing: deque[Future] = deque()   # those writes, oldest first (PUBLISH_IN_FLIGHT)
         # Host-side gradient accumulation and optimizer updates run on their own thread, overlapped
         # with the device's compute. When the CPU is the device the same cores would run both (the
         # planner's `optimizer_overlaps_compute: false`): they run inline, in the same order, which
@@ -375,6 +379,11 @@ class StreamingExecutor:
                 # Written behind the update, on its own I/O thread (as the planner overlaps it): a
                 # synchronous write held the step for the drive's time (~0.5 s a step on the NVMe
                 # bench plan). The next fetch of the layer, wait() and checkpoints wait for it.
+                # At most PUBLISH_IN_FLIGHT of these buffers (a layer's weights each) wait for the
+                # drive: within the host's NVMe bounce reserve the planner counts (depth x the
+                # largest NVMe-tier layer), not every layer's weights queued at once.
+                while len(self._publishing) >= PUBLISH_IN_FLIGHT:
+                    self._publishing.popleft().result()
                 buf = aligned_empty(lay.layout.padded_nbytes)
                 typed(buf, lay.layout.dtype, lay.layout.numel).copy_(master)
                 key, trace, step = self.streamer.key(lay), self.trace, self.trace.current_step()
@@ -386,6 +395,7 @@ class StreamingExecutor:
                         trace.add("nvme_write", lay.name, s, trace.now(), lay.layout.padded_nbytes, "nvme",
                                   "params")
                 lay.publish = self.publish_io.submit(publish)
+                self._publishing.append(lay.publish)
         return write
 
     # ---- one layer -----------------------------------------------------------------------

@@ -413,9 +413,34 @@ def test_nvme_state_write_back_failure_is_raised_with_the_file(tmp_path):
         ex.close()                                # and so does close, for the other layers
 
 
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_nvme_weight_writes_in_flight_are_bounded(tmp_path, clip):
+    """Weights written behind their updates hold a host buffer each until the drive has them: with
+    a slow drive at most PUBLISH_IN_FLIGHT are queued, not every layer's (the planner's host
+    reserve), and the weights that land are the ones the next step reads (same losses)."""
+    from lazytrain.runtime.executor import PUBLISH_IN_FLIGHT
+    losses = []
+    for slow in (False, True):
+        ex = StreamingExecutor(tiny_model("llama", num_hidden_layers=6), hand_plan(6, param_tier="nvme"),
+                               device="cpu", nvme_dir=tmp_path, lr=1e-3, max_grad_norm=clip)
+        real = ex.nvme.write_sync
+        pending = []
+
+        def write(key, buf, real=real, slow=slow, ex=ex):
+            pending.append(sum(1 for lay in ex.layers if lay.publish is not None and not lay.publish.done()))
+            if slow:
+                time.sleep(0.05)
+            real(key, buf)
+        ex.nvme.write_sync = write
+        losses.append([ex.train_step(random_batches(1, seed=k)).loss for k in range(3)])
+        ex.close()
+        assert max(pending) <= PUBLISH_IN_FLIGHT
+    assert losses[0] == losses[1]
+
+
 def test_nvme_weight_write_failure_is_raised_with_the_file(tmp_path):
     """NVMe-tier weights are written behind their update: a failed write surfaces, naming the
-    file, at the layer's next fetch, and wait() raises it too."""
+    file, within the step after it at the latest, and wait() raises it too."""
     from lazytrain.storage.aligned_io import DiskIOError
     ex = StreamingExecutor(tiny_model("llama"), hand_plan(3, param_tier="nvme"), device="cpu",
                            nvme_dir=tmp_path, lr=1e-3)
@@ -427,15 +452,18 @@ def test_nvme_weight_write_failure_is_raised_with_the_file(tmp_path):
             raise DiskIOError(28, f"write {key}.bin: No space left on device")
         real(key, buf)
     ex.nvme.write_sync = failing
-    ex.train_step(random_batches(1, seed=1))      # block.1's new weights fail to land
-    ex.nvme.write_sync = real
     with pytest.raises(DiskIOError, match=r"block.1.param.*No space left"):
-        ex.train_step(random_batches(1, seed=2))  # its next fetch
+        # block.1's new weights fail to land: raised once later writes queue behind it, or at
+        # block.1's next fetch
+        ex.train_step(random_batches(1, seed=1))
+        ex.nvme.write_sync = real
+        ex.train_step(random_batches(1, seed=2))
+    ex.nvme.write_sync = real
     with pytest.raises(DiskIOError, match=r"block.1.param"):
         ex.wait()
-    for lay in ex.layers:
-        lay.publish = None
-    ex.close()
+    with pytest.raises(DiskIOError, match=r"block.1.param"):
+        ex.close()   # (and it still cleans up)
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("clip", [1.0, None])
