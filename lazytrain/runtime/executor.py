@@ -376,9 +376,9 @@ class StreamingExecutor:
                 if dst.data_ptr() != master.data_ptr():   # else the master is the store (pure bf16)
                     dst.copy_(master)
             else:
-                # Written behind the update, on its own I/O thread (as the planner overlaps it): a
-                # synchronous write held the step for the drive's time (~0.5 s a step on the NVMe
-                # bench plan). The next fetch of the layer, wait() and checkpoints wait for it.
+                # Written behind the update, on its own I/O thread, as the planner overlaps it (a
+                # synchronous write held the update, and on a CPU device the step, for the drive's
+                # time). The next fetch of the layer, wait() and checkpoints wait for it.
                 # At most PUBLISH_IN_FLIGHT of these buffers (a layer's weights each) wait for the
                 # drive: within the host's NVMe bounce reserve the planner counts (depth x the
                 # largest NVMe-tier layer), not every layer's weights queued at once.
