@@ -52,7 +52,7 @@ class JobCosts:
     clip_grad: bool = False   # updates wait for the global gradient norm (plan/ops.update_window)
     # a CPU device, one micro-batch, no clipping, a 16-bit master in the compute dtype (pure bf16):
     # the update reads the gradients where backward left them (runtime LayerTrainState.accumulate;
-    # plan.ops.grads_copied)
+    # plan.ops.grad_d2h_bytes)
     direct_grads: bool = False
 
     @property

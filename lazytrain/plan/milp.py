@@ -31,7 +31,7 @@ import pulp
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_copied,
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grad_d2h_bytes,
                   grads_in_flight, held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
 
 
@@ -332,7 +332,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             for j, c in enumerate(layers):
                 k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
                 k_g = after(L, k_b)
-                res[k_g]["d2h"] += c.grad_device_bytes if grads_copied(costs, j) else 0
+                res[k_g]["d2h"] += grad_d2h_bytes(costs, j)
                 if G > 1 and (j, "nvme") in g:
                     res[k_g]["nvme_read"] += c.grad_store_bytes * g[j, "nvme"]
                     res[k_g]["nvme_write"] += c.grad_store_bytes * g[j, "nvme"]

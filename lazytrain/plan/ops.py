@@ -61,13 +61,22 @@ def weight_parts(costs, j: int) -> tuple[tuple[int, int], ...]:
     return ((j, c.param_store_bytes), (0, borrowed))
 
 
-def grads_copied(costs, j: int) -> bool:
-    """Whether layer j's gradients are copied off the device (a d2h). Not with `direct_grads`
-    (a CPU device training in a 16-bit master dtype, one micro-batch, no clipping: the update reads
-    them where backward left them), except the embedding's when a tied head adds its share."""
+def grad_d2h_bytes(costs, j: int) -> int:
+    """Gradient bytes of layer j copied off the device (its d2h). All of them, except with
+    `direct_grads` (a CPU device, a 16-bit master dtype, one micro-batch, no clipping: the update
+    reads them where backward left them). Even then, with a tied head, the embedding's gradients
+    are copied (the head's share of the matrix is added to them) and so is that share."""
+    c = costs.layers[j]
     if not costs.direct_grads:
-        return True
-    return j == 0 and len(weight_parts(costs, costs.num_blocks + 1)) > 1
+        return c.grad_device_bytes
+    L = costs.num_blocks
+    if len(weight_parts(costs, L + 1)) == 1:   # untied
+        return 0
+    if j == 0:
+        return c.grad_device_bytes
+    if j == L + 1:
+        return weight_parts(costs, L + 1)[1][1]   # the borrowed matrix's gradient
+    return 0
 
 
 def op_sequence(num_blocks: int) -> list[Op]:

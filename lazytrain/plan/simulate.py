@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grads_copied,
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grad_d2h_bytes,
                   grads_in_flight, held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
@@ -116,8 +116,8 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         for j, c in enumerate(layers):  # the head's grads leave after the head op
             k_b = bwd_window(L, j) if c.kind != "head" else fwd_window(L, L + 1)
             k_g = after(L, k_b)
-            if grads_copied(costs, j):
-                items[k_g].append(("d2h", "d2h", c.name, "grads", c.grad_device_bytes))
+            if grad_d2h_bytes(costs, j):
+                items[k_g].append(("d2h", "d2h", c.name, "grads", grad_d2h_bytes(costs, j)))
             if costs.grad_accum > 1 and a.grad_tier[j] == "nvme":
                 items[k_g].append(("nvme_read", "nvme_read", c.name, "grads", c.grad_store_bytes))
                 items[k_g].append(("nvme_write", "nvme_write", c.name, "grads", c.grad_store_bytes))

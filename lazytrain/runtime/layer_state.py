@@ -242,7 +242,7 @@ class LayerTrainState:
             self._direct = [g.reshape(-1) for g in grads]
             self.has_grad = True
             self.norms = []
-            return   # nothing moved (the plan counts no d2h either: plan.ops.grads_copied)
+            return   # nothing moved (the plan counts no d2h either: plan.ops.grad_d2h_bytes)
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             dst = acc[o:o + n]

@@ -291,13 +291,18 @@ def test_plan_clipping_follows_the_runs_max_grad_norm(base_overrides):
     assert job_spec_of(load_config(base + ["optim.max_grad_norm=null"], config_name="train"))[0].clip_grad is False
 
 
-@pytest.mark.parametrize("extra", [[], ["job.compute_dtype=bf16", "job.master_dtype=bf16", "optim.max_grad_norm=null",
-                                      "hardware.device_memory_gib=0.001"]],
-                         ids=["fp32-master", "pure-bf16-no-clip"])
+PURE_BF16_NO_CLIP = ["job.compute_dtype=bf16", "job.master_dtype=bf16", "optim.max_grad_norm=null",
+                     "hardware.device_memory_gib=0.001"]
+
+
+@pytest.mark.parametrize("extra", [[], PURE_BF16_NO_CLIP,
+                                   [*PURE_BF16_NO_CLIP, "model.hf_config.tie_word_embeddings=true"]],
+                         ids=["fp32-master", "pure-bf16-no-clip", "pure-bf16-no-clip-tied"])
 def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsys, extra):
     """`lazytrain plan trace RUN_DIR`: per resource, the run's traced seconds and bytes per step next
     to the plan's prediction (a plan that streams and offloads). Pure bf16 without clipping on a
-    CPU device: the update reads the gradients in place, and neither side counts a d2h."""
+    CPU device: the update reads the gradients in place, and neither side counts a d2h, except,
+    with tied embeddings, the embedding's gradients and the head's share of them."""
     from lazytrain.cli import plan as plan_cli
     from lazytrain.plan.tracecmp import compare_run
     out = tmp_path / "run"
@@ -308,10 +313,11 @@ def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsy
     assert c.steps == (1, 2) and c.measured_step_s is not None and c.predicted_step_s > 0
     rows = {r.kind: r for r in c.rows}
     assert {"compute_fwd", "compute_bwd", "h2d params"} <= set(rows)
-    assert ("d2h grads" in rows) == (not extra)
+    copied = extra != PURE_BF16_NO_CLIP
+    assert ("d2h grads" in rows) == copied
     # weights fetched and gradients leaving: what the cost model counts, to the byte (activation
     # sizes are the cost model's estimates, not asserted)
-    for kind in ("h2d params", "d2h grads") if not extra else ("h2d params",):
+    for kind in ("h2d params", "d2h grads") if copied else ("h2d params",):
         assert rows[kind].measured_bytes == rows[kind].predicted_bytes > 0, kind
     assert all(rows[k].measured_s > 0 for k in ("compute_fwd", "compute_bwd"))
     assert plan_cli.main(["trace", str(out)]) == 0
