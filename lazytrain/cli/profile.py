@@ -1,8 +1,8 @@
 """`lazytrain profile hardware=NAME [model=...] [job.*=...] [--nvme-dir DIR] [--size-mib N]`
 
 Measures this machine — host<->device copies (pinned and pageable), NVMe write/read with O_DIRECT
-in --nvme-dir, the matmul peak, the per-layer forward/backward time of the chosen model and, on a
-GPU machine, the host optimizer update for the job's optimizer (job.optimizer_state_bits) — and
+in --nvme-dir, the matmul peak, the per-layer forward/backward time of the chosen model and the
+host optimizer update for the job's optimizer (job.optimizer_state_bits) — and
 writes configs/hardware/measured.yaml (HardwareSpec keys; unmeasured capacities from hardware=NAME),
 so that `lazytrain plan|train hardware=measured` plans with it.
 """

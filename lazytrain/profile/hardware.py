@@ -76,8 +76,8 @@ def details_dict(copies: CopyRates, disk: DiskRates | None, peak_tflops: float,
                  optimizer_state_bits: int | None = None) -> dict[str, Any]:
     return {
         "copies": asdict(copies), "disk": disk and asdict(disk), "matmul_peak_tflops": peak_tflops,
-        # host_memory_gbps on a GPU machine: a timed update with these optimizer states (a profile
-        # taken for 32-bit states misjudges an 8-bit job's update and vice versa)
+        # host_memory_gbps: a timed update with these optimizer states (a profile taken for
+        # 32-bit states misjudges an 8-bit job's update and vice versa)
         "host_optimizer_gbps": host_optimizer_gbps,
         "host_optimizer_state_bits": optimizer_state_bits if host_optimizer_gbps else None,
         "model": model_name, "batch_size": batch_size, "seq_len": seq_len,

@@ -33,7 +33,7 @@ from torch import nn
 from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, find_parts, head_loss, router_aux,
                               router_aux_enabled, run_block, run_block_routed)
 from ..plan.plan import Plan
-from ..storage.aligned_io import IOPool, aligned_empty
+from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
 from ..storage.flat import FlatLayout, typed
 from ..costmodel import NVME_STATE_SETS
 from ..storage.tiers import HostStore, NvmeStore, StagingSets, check_nvme_dir
@@ -106,21 +106,6 @@ def _to_pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 PUBLISH_IN_FLIGHT = 2   # NVMe-tier weight writes queued behind their updates at once
 
 
-class _InlinePool:
-    """A ThreadPoolExecutor stand-in that runs each job at submit time (same order, same thread)."""
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # surfaced by .result(), as from a worker thread
-            fut.set_exception(e)
-        return fut
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
-
-
 class StreamingExecutor:
     """Runs training steps exactly as `plan` says. See the module docstring."""
 
@@ -189,7 +174,7 @@ class StreamingExecutor:
         # planner's `optimizer_overlaps_compute: false`): they run inline, in the same order, which
         # avoids oversubscribing the cores (measured: backward 25% slower with the thread).
         self.opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-opt") \
-            if (self.cuda if overlap_optimizer is None else overlap_optimizer) else _InlinePool()
+            if (self.cuda if overlap_optimizer is None else overlap_optimizer) else InlinePool()
         self.step_count = 0
         self._calls = 0
         self._synced = False
@@ -389,11 +374,9 @@ class StreamingExecutor:
                 key, trace, step = self.streamer.key(lay), self.trace, self.trace.current_step()
 
                 def publish() -> None:
-                    s = trace.now()
-                    self.nvme.write_sync(key, buf)
-                    with trace.at_step(step):
-                        trace.add("nvme_write", lay.name, s, trace.now(), lay.layout.padded_nbytes, "nvme",
-                                  "params")
+                    with trace.at_step(step), trace.span("nvme_write", lay.name, lay.layout.padded_nbytes,
+                                                         "nvme", "params"):
+                        self.nvme.write_sync(key, buf)
                 lay.publish = self.publish_io.submit(publish)
                 self._publishing.append(lay.publish)
         return write

@@ -93,10 +93,8 @@ class LayerTrainState:
 
         def read(key: str, buf: torch.Tensor) -> None:
             # traced where the I/O runs (the update's wait for it is not drive time)
-            s = trace.now()
-            nvme.read_sync(key, buf)
-            with trace.at_step(step):
-                trace.add("nvme_read", name, s, trace.now(), nbytes, "nvme", "optimizer_state")
+            with trace.at_step(step), trace.span("nvme_read", name, nbytes, "nvme", "optimizer_state"):
+                nvme.read_sync(key, buf)
 
         try:
             for w, b in zip(OPT_KEYS, bufs):
@@ -228,7 +226,6 @@ class LayerTrainState:
         bit for bit."""
         s = self.trace.now()
         self._direct = None
-        arrived = sum(g.nbytes for g in (*grads, *(shared or ())) if g is not None)   # what left the device
         if (first and last and shared is None and self.grad_tier == "host" and self.dtype != F32
                 and not self.track_norms
                 and all(g is not None and g.device.type == "cpu" and g.dtype == self.dtype and not g.is_pinned()
@@ -243,6 +240,7 @@ class LayerTrainState:
             self.has_grad = True
             self.norms = []
             return   # nothing moved (the plan counts no d2h either: plan.ops.grad_d2h_bytes)
+        arrived = sum(g.nbytes for g in (*grads, *(shared or ())) if g is not None)   # what left the device
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             dst = acc[o:o + n]

@@ -140,6 +140,22 @@ class IOPool:
         self._pool.shutdown(wait=True)
 
 
+class InlinePool:
+    """A ThreadPoolExecutor stand-in that runs each job at submit time (same order, same thread);
+    a job's exception is held in its future, as from a worker thread."""
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # surfaced by .result()
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 def drop_page_cache(path: str | os.PathLike | None = None) -> bool:
     """Best effort: evict cached pages (of one file via fadvise, or all as root). True if done."""
     if path is not None:
