@@ -13,13 +13,14 @@ from dataclasses import replace
 from ..costmodel import JobCosts
 from ..spec import HardwareSpec
 from .assignment import Assignment
-from .simulate import _rate, _window_items, memory_peaks
+from .simulate import _lane, _rate, _window_items, memory_peaks
 
 ORDER = {"device": 0, "host": 1, "nvme": 2}
 
 
 def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -> float:
-    """The simulator's step time without building events (sum over windows of the busiest resource)."""
+    """The simulator's step time without building events (sum over windows of the busiest lane:
+    a resource, or the queue it shares, simulate._lane)."""
     total = 0.0
     for final, times in ((True, 1), (False, costs.grad_accum - 1)):
         if times == 0:
@@ -28,7 +29,8 @@ def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2
             busy: dict[str, float] = {}
             for res, _, _, _, amount in items:
                 rate = _rate(hw, res)
-                busy[res] = busy.get(res, 0.0) + (amount / rate if rate else amount)
+                lane = _lane(hw, res)
+                busy[lane] = busy.get(lane, 0.0) + (amount / rate if rate else amount)
             total += times * max(busy.values(), default=0.0)
     return total
 

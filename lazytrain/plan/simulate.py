@@ -141,6 +141,16 @@ def _rate(hw: HardwareSpec, resource: str) -> float | None:
             "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}.get(resource)
 
 
+def _lane(hw: HardwareSpec, resource: str) -> str:
+    """The queue an item waits in: a half-duplex drive's reads and writes share one; on a CPU
+    device copies are memcpys by the cores that compute."""
+    if resource.startswith("nvme") and not hw.nvme_full_duplex:
+        return "nvme"
+    if hw.copies_share_compute and resource in ("h2d", "d2h"):
+        return "compute"
+    return resource
+
+
 def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, int], list[tuple[int, int]]]:
     """Per-tier peak bytes and the device bytes at each op of a micro-batch."""
     layers = costs.layers
@@ -207,10 +217,7 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
             for res, kind, layer, what, amount in items:
                 rate = _rate(hw, res)
                 dur = amount / rate if rate else amount
-                # a half-duplex drive: reads and writes queue on one cursor
-                lane = "nvme" if res.startswith("nvme") and not hw.nvme_full_duplex else res
-                if hw.copies_share_compute and res in ("h2d", "d2h"):
-                    lane = "compute"   # a memcpy by the cores that compute
+                lane = _lane(hw, res)
                 start = cursor[lane]
                 cursor[lane] = start + dur
                 events.append(Event(res, kind, layer, m, start, start + dur,

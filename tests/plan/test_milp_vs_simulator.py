@@ -222,3 +222,18 @@ def test_cpu_device_copies_take_compute_time(small):
                       if e.kind in ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h"))
         assert all(b[0] >= a[1] - 1e-12 for a, b in zip(lane, lane[1:])), "compute-lane events overlap"
     assert times["cpu"] > times["cuda"]   # same rates: copies no longer hide behind compute
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_simplify_step_time_is_the_simulators(seed, make_llama, make_hw):
+    """simplify's quick step time (no events) queues items as the simulator does: a half-duplex
+    drive's reads and writes on one lane, a CPU device's copies on the compute lane."""
+    from lazytrain.plan.simplify import step_time_s
+    rng = random.Random(seed)
+    model, h, job = _random_problem(rng, make_llama, make_hw)
+    costs = job_costs(model, h, job)
+    r = solve_milp(costs, h, time_limit_s=20)
+    if r.status == "infeasible":
+        pytest.skip("random budget infeasible")
+    for depth in (1, 2):
+        assert _close(step_time_s(costs, r.assignment, h, depth), simulate(costs, r.assignment, h, depth).step_time_s)
