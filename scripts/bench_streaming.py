@@ -18,6 +18,9 @@
     verified by running the largest one (it must fit) and one more (it must not).
 (c) predicted (planner) vs measured step time and device peak, for the plan `plan_job` makes with
     the static `cpu` hardware profile and with this machine measured first (as `lazytrain profile`).
+    The measured peak is the executor's accountant in one more step with `count_op_temporaries`
+    (it then also counts what autograd and the ops allocate inside a layer, as a device allocator
+    would); the row "without op temporaries" is what the executor counts by hand.
 The results table is printed last.
 """
 
@@ -335,9 +338,9 @@ def measured_hardware(base, spec, job, args, nvme_dir):
 
 
 def placed_peak(spec, hw, job, plan) -> int:
-    """The planner's device peak for `plan` without the autograd temporaries it reserves inside
-    one layer's backward: on the CPU the executor's accountant counts every tensor the executor
-    holds, but not an op's internal scratch (on CUDA the allocator's peak covers it)."""
+    """The planner's device peak for `plan` without the transient bytes it reserves inside one
+    layer's backward (autograd's temporaries): what the executor counts by hand, without
+    `count_op_temporaries`."""
     import dataclasses
 
     from lazytrain.costmodel import job_costs
@@ -385,21 +388,28 @@ def section_c(args, model, nvme_dir) -> list[tuple]:
             res.append(ex.train_step(mbs))
             ex.wait()
             times.append(time.perf_counter() - t0)
+        placed_kinds = dict(ex.acct.peak_by_kind)
+        hand = max(r.device_peak_bytes for r in res)
+        # One more step, untimed, with the ops' own allocations counted too (a Python call per op:
+        # ~10% slower here), as a device allocator's peak would: the measured device peak.
+        ex.count_op_temporaries = True
+        peak = ex.train_step(mbs).device_peak_bytes
+        ex.wait()
+        kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(ex.acct.peak_by_kind.items()) if v)
         ex.close()
         t = statistics.median(times)
-        kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(ex.acct.peak_by_kind.items()) if v)
-        peak = max(r.device_peak_bytes for r in res)
         pt, pp = plan.predicted.step_time_s, plan.predicted.peak_bytes.get("device", 0)
         placed = placed_peak(spec, hw, job, plan)
         rows += [("c", f"step time, {plan.method} plan @ {args.budget_c_gib} GiB, {label}", f"{t:.2f} s",
                   f"pred {pt:.2f} s ({(t - pt) / pt * 100:+.0f}%)" if pt else "no prediction", ""),
                  ("c", f"device peak, {label}", f"{peak / 2**20:.0f} MiB",
                   f"pred {pp / 2**20:.0f} MiB ({(peak - pp) / pp * 100:+.0f}%)" if pp else "no prediction",
-                  f"MiB at peak: {kinds}"),
-                 ("c", f"device peak without op temporaries, {label}", f"{peak / 2**20:.0f} MiB",
-                  f"pred {placed / 2**20:.0f} MiB ({(peak - placed) / placed * 100:+.0f}%)",
-                  "what the CPU accountant counts: the plan's peak less the autograd temporaries "
-                  "it reserves inside one layer's backward (logits gradients etc.)")]
+                  f"counting op temporaries (OpTemporaries); MiB at peak: {kinds}"),
+                 ("c", f"device peak without op temporaries, {label}", f"{hand / 2**20:.0f} MiB",
+                  f"pred {placed / 2**20:.0f} MiB ({(hand - placed) / placed * 100:+.0f}%)",
+                  "what the executor counts by hand, vs the plan's peak less the transient bytes it "
+                  "reserves inside one layer's compute; MiB at peak: " + ", ".join(
+                      f"{k} {v / 2**20:.0f}" for k, v in sorted(placed_kinds.items()) if v))]
     return rows
 
 

@@ -118,6 +118,7 @@ class ActivationStore:
                     la.kept_storages[sp] = (nb, kind)
                     self._protected[sp] += 1
                     self.acct.alloc(nb, kind)
+                    self.acct.adopt(t)
                 return ("keep", t.detach())
             return ("rec", self._save(layer, tier, t))
 
@@ -163,6 +164,10 @@ class ActivationStore:
         self._hold.clear()
 
     def _save(self, layer: int, tier: str, t: torch.Tensor) -> _Rec:
+        with self.acct.host_side():   # the copy's destination is host memory, not a device temporary
+            return self._save_off_device(layer, tier, t)
+
+    def _save_off_device(self, layer: int, tier: str, t: torch.Tensor) -> _Rec:
         key = (layer, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
         if key in self._dedup:
             return self._dedup[key]
@@ -234,6 +239,7 @@ class ActivationStore:
         flat = torch.empty(rec.host.numel(), dtype=rec.dtype, device=self.device)
         rec.counted = flat.nbytes
         self.acct.alloc(rec.counted, "activations_fetched")
+        self.acct.adopt(flat)
         if self.cuda:
             if rec.event is not None:
                 self.h2d_stream.wait_event(rec.event)
@@ -257,6 +263,7 @@ class ActivationStore:
         if not self.cuda:
             rec.counted = nb
             self.acct.alloc(nb, "activations_fetched")
+            self.acct.adopt(buf)
         write, f, trace = rec.write, la.file, self.trace
 
         def read() -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import deque
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,14 +116,18 @@ class StreamingExecutor:
                  weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  trace_path: str | Path | None = None, fused: bool = True,
                  compute_dtype: torch.dtype | None = None,
-                 master_dtype: torch.dtype = torch.float32, overlap_optimizer: bool | None = None) -> None:
+                 master_dtype: torch.dtype = torch.float32, overlap_optimizer: bool | None = None,
+                 count_op_temporaries: bool = False) -> None:
         """`compute_dtype`: the dtype the streamed weights are stored, moved and computed in (the
         plan's `job.compute_dtype`); None keeps the model's own. Full fine-tuning keeps master
         weights, AdamW moments and the gradient accumulator in `master_dtype` (the plan's
         `job.master_dtype`), taken from the model's original values: fp32 (mixed precision), or
         bf16 for pure-bf16 training (exactly torch's AdamW on bf16 parameters, less memory and
         traffic, coarser updates). `overlap_optimizer`: run accumulation and updates on their own
-        thread (default: on CUDA; inline on a CPU device)."""
+        thread (default: on CUDA; inline on a CPU device). `count_op_temporaries` (CPU device): also
+        count what autograd and the ops allocate inside each layer's forward and backward (see
+        accountant.OpTemporaries), as a device allocator would, in the budget and the measured peak;
+        ~1-3% slower steps. On CUDA the allocator's own peak already covers them."""
         if optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
         if master_dtype not in (torch.float32, torch.bfloat16):
@@ -156,6 +161,7 @@ class StreamingExecutor:
         # thing to the planner and to the accountant (on CUDA the allocator's figure covers it).
         if not self.cuda:
             self.acct.alloc(plan.hardware.workspace_bytes, "workspace")
+        self.count_op_temporaries = bool(count_op_temporaries) and not self.cuda
         # On CUDA the measured peak is the allocator's, less what other owners in this process
         # already held when the executor was made (a model kept for comparison, a data batch); the
         # model's own device tensors are the executor's from here on. The predicted figure it is
@@ -412,6 +418,8 @@ class StreamingExecutor:
             nb = sum(t.nbytes for t in logits)
             mb["rl_bytes"][i] = mb["rl_bytes"].get(i, 0) + nb
             self.acct.alloc(nb, "router_logits")
+            for t in logits:
+                self.acct.adopt(t)
         if not mb["recomputing"]:
             mb["rl_leaf"][i] = tuple(t.detach().requires_grad_(True) for t in logits)
         return out
@@ -438,7 +446,8 @@ class StreamingExecutor:
         if not inputs:
             return None
         t = self.trace.now()
-        grads = torch.autograd.grad(outs, inputs, grad_outputs=gouts, allow_unused=True)
+        with self._ops():
+            grads = torch.autograd.grad(outs, inputs, grad_outputs=gouts, allow_unused=True)
         self.trace.add("compute_bwd", lay.name, t, self.trace.now())
         del outs, gouts
         if mb["router"] is not None and i != self.n_layers - 1:
@@ -589,13 +598,13 @@ class StreamingExecutor:
                 if d.segment_start == i:
                     seg_in[i] = self.acts.save(i, d.activation_tier, ids if i == 0 else h)
                 rng[i] = self._rng_state()
-                with torch.no_grad():
+                with torch.no_grad(), self._ops():
                     out = self._fwd(i, h, mb)
                 x = None
             else:
                 x = h.detach().requires_grad_(True) if h is not None else None
                 with self.acts.hooks(i, d.activation_tier, self.streamer.device_buffer,
-                                     param_layers=self.streamer.group(i)):
+                                     param_layers=self.streamer.group(i)), self._ops():
                     out = self._fwd(i, x, mb)
                 self.acts.end_forward(i)
                 graphs[i] = (x, out)
@@ -627,7 +636,7 @@ class StreamingExecutor:
                     xj = hin.detach().requires_grad_(True) if j > 0 else None
                     self._set_rng_state(rng[j])
                     with self.acts.hooks(j, "device", self.streamer.device_buffer, kind="recompute",
-                                         param_layers=self.streamer.group(j)):
+                                         param_layers=self.streamer.group(j)), self._ops():
                         outj = self._fwd(j, xj, mb)
                     self.acts.end_forward(j)
                     seg_graphs[j] = (xj, outj)
@@ -666,6 +675,10 @@ class StreamingExecutor:
         self.acct.free(sum(mb["rl_bytes"].values()), "router_logits")
         aux = mb.get("aux")
         return float(mb["loss"]), (float(aux) if aux is not None else None)
+
+    def _ops(self):
+        """A window over one layer's compute counting its op temporaries (count_op_temporaries)."""
+        return self.acct.op_window(self.device) if self.count_op_temporaries else nullcontext()
 
     def _track_live(self, live: int, g: torch.Tensor | None) -> int:
         """Count the tensor flowing between layers, the hidden state or its gradient (replaces the
