@@ -2,7 +2,7 @@
 """Layer-streaming executor vs plain PyTorch on a ~220M-parameter Llama (bf16), on this machine.
 
     .venv/bin/python scripts/bench_streaming.py            # all three sections, ~5-10 min on 2 cores
-    .venv/bin/python scripts/bench_streaming.py --sections a --repeats 7
+    .venv/bin/python scripts/bench_streaming.py --sections a --repeats 7 --a-seqs 256
 
 (a) tokens/s of streamed training (weights streamed from host; from NVMe) vs plain in-memory
     PyTorch on the same model, batch and sequence, two ways: "amp" has the streamed runs' numerics
@@ -10,7 +10,9 @@
     streamed runs with an fp32 master; "bf16" is pure bf16 training (bf16 weights with fused AdamW
     on them, no master copy), the reference for the streamed "pure bf16" runs (job.master_dtype=bf16,
     the same math bit for bit). Steps are interleaved round-robin and the medians compared (goal
-    >= 0.95x from host).
+    >= 0.95x from host), at each of `--a-seqs` (batch `--batch`): the weights cross to the
+    "device" once per step whatever its tokens, so short steps show their cost most. On a CPU the
+    copies are memcpys by the two cores that compute (no copy engine to hide them behind).
 (b) at a fixed device budget, the largest batch lazytrain runs vs plain PyTorch with HF gradient
     checkpointing. Both are counted the same way: the bytes a run places on the device tier, i.e.
     weights + gradients + optimizer state held there + the saved-for-backward tensors (unique
@@ -164,7 +166,7 @@ def section_a(args, model, nvme_dir) -> list[tuple]:
         ratio = f"{tps / base:.3f}x vs {runners[0].short}"
         if base_amp and r is not runners[0]:
             ratio += f", {tps / base_amp:.3f}x vs amp"
-        rows.append(("a", f"{r.name}: tokens/s", f"{tps:.1f}", ratio, note))
+        rows.append(("a", f"{r.name}, {args.batch}x{args.seq}: tokens/s", f"{tps:.1f}", ratio, note))
     del runners
     gc.collect()
     return rows
@@ -419,7 +421,9 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=256, help="sequence length for (a) and (c)")
+    ap.add_argument("--seq", type=int, default=256, help="sequence length for (c)")
+    ap.add_argument("--a-seqs", default="256,1024",
+                    help="(a): sequence lengths, one interleaved comparison each")
     ap.add_argument("--batch", type=int, default=1, help="batch for (a) and (c)")
     ap.add_argument("--seq-b", type=int, default=128, help="sequence length for (b)")
     ap.add_argument("--budget-gib", type=float, default=2.0, help="device budget for (b)")
@@ -436,7 +440,10 @@ def main() -> None:
     print(f"model: Llama {n / 1e6:.0f}M params, bf16, {torch.get_num_threads()} threads", flush=True)
     rows: list[tuple] = []
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:
-        for sec, fn in (("a", section_a), ("b", section_b), ("c", section_c)):
+        if "a" in args.sections:
+            for seq in (int(x) for x in args.a_seqs.split(",")):
+                rows += section_a(argparse.Namespace(**{**vars(args), "seq": seq}), model, nvme_dir)
+        for sec, fn in (("b", section_b), ("c", section_c)):
             if sec in args.sections:
                 rows += fn(args, model, nvme_dir)
     print()
