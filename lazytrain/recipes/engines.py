@@ -163,7 +163,7 @@ class StreamingEngine:
                  nvme_dir: Path | None, optimizer: str, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, max_grad_norm: float | None,
                  trace_path: Path | None, compute_dtype: torch.dtype | None = None,
-                 master_dtype: torch.dtype = torch.float32) -> None:
+                 master_dtype: torch.dtype = torch.float32, count_op_temporaries: bool = False) -> None:
         try:
             from ..runtime import StreamingExecutor
         except ImportError as e:
@@ -173,7 +173,8 @@ class StreamingEngine:
             model, plan, device=device, nvme_dir=None if nvme_dir is None else str(nvme_dir),
             optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, trace_path=None if trace_path is None else str(trace_path),
-            compute_dtype=compute_dtype, master_dtype=master_dtype)
+            compute_dtype=compute_dtype, master_dtype=master_dtype,
+            count_op_temporaries=count_op_temporaries)
 
     @property
     def model(self) -> torch.nn.Module:

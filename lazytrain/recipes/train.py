@@ -249,7 +249,8 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
         return StreamingEngine(model, pre.plan, device=device, nvme_dir=nvme_dir, optimizer=optimizer,
                                trace_path=out / "trace.jsonl",
                                compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
-                               master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
+                               master_dtype=TORCH_DTYPES[pre.job.master_dtype],
+                               count_op_temporaries=bool(cfg.get("count_op_temporaries", False)), **common)
     if cfg.engine == "deepspeed":
         eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, **common)
         for line in eng.dropped:

@@ -333,3 +333,16 @@ def test_plan_trace_compares_a_run_with_its_plan(base_overrides, tmp_path, capsy
     assert "trace.jsonl:1" in capsys.readouterr().err    # names the damaged line
     assert plan_cli.main(["trace", str(tmp_path / "nope")]) == 2
     assert "plan.json not found" in capsys.readouterr().err
+
+
+def test_count_op_temporaries_option(base_overrides, tmp_path, capsys):
+    # CPU device: with the ops' own allocations counted, the same losses and a higher device peak
+    recs = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        rc, io = _main([*base_overrides, "engine=lazytrain", "job.max_steps=2", f"output_dir={out}",
+                        f"count_op_temporaries={flag}"], capsys)
+        assert rc == 0, io.err
+        recs[flag] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in recs["true"]] == [r["loss"] for r in recs["false"]]
+    assert all(a["device_peak_bytes"] > b["device_peak_bytes"] for a, b in zip(recs["true"], recs["false"]))
