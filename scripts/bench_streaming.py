@@ -22,7 +22,7 @@
     the static `cpu` hardware profile and with this machine measured first (as `lazytrain profile`).
     The measured peak is the executor's accountant in one more step with `count_op_temporaries`
     (it then also counts what autograd and the ops allocate inside a layer, as a device allocator
-    would); the row "without op temporaries" is what the executor counts by hand.
+    would; the note says what it counts by hand alone).
 The results table is printed last.
 """
 
@@ -339,22 +339,6 @@ def measured_hardware(base, spec, job, args, nvme_dir):
     return measured_spec(base, copies, disk, peak, layers, opt_gbps)
 
 
-def placed_peak(spec, hw, job, plan) -> int:
-    """The planner's device peak for `plan` without the transient bytes it reserves inside one
-    layer's backward (autograd's temporaries): what the executor counts by hand, without
-    `count_op_temporaries`."""
-    import dataclasses
-
-    from lazytrain.costmodel import job_costs
-    from lazytrain.plan.simulate import memory_peaks
-    from lazytrain.plan.solve import assignment_of
-
-    costs = job_costs(spec, hw, job)
-    layers = tuple(dataclasses.replace(c, bwd_transient_bytes=0) for c in costs.layers)
-    no_tmp = dataclasses.replace(costs, layers=layers)
-    return memory_peaks(no_tmp, assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
-
-
 def section_c(args, model, nvme_dir) -> list[tuple]:
     try:
         import yaml
@@ -390,7 +374,6 @@ def section_c(args, model, nvme_dir) -> list[tuple]:
             res.append(ex.train_step(mbs))
             ex.wait()
             times.append(time.perf_counter() - t0)
-        placed_kinds = dict(ex.acct.peak_by_kind)
         hand = max(r.device_peak_bytes for r in res)
         # One more step, untimed, with the ops' own allocations counted too (a Python call per op:
         # ~10% slower here), as a device allocator's peak would: the measured device peak.
@@ -401,17 +384,12 @@ def section_c(args, model, nvme_dir) -> list[tuple]:
         ex.close()
         t = statistics.median(times)
         pt, pp = plan.predicted.step_time_s, plan.predicted.peak_bytes.get("device", 0)
-        placed = placed_peak(spec, hw, job, plan)
         rows += [("c", f"step time, {plan.method} plan @ {args.budget_c_gib} GiB, {label}", f"{t:.2f} s",
                   f"pred {pt:.2f} s ({(t - pt) / pt * 100:+.0f}%)" if pt else "no prediction", ""),
                  ("c", f"device peak, {label}", f"{peak / 2**20:.0f} MiB",
                   f"pred {pp / 2**20:.0f} MiB ({(peak - pp) / pp * 100:+.0f}%)" if pp else "no prediction",
-                  f"counting op temporaries (OpTemporaries); MiB at peak: {kinds}"),
-                 ("c", f"device peak without op temporaries, {label}", f"{hand / 2**20:.0f} MiB",
-                  f"pred {placed / 2**20:.0f} MiB ({(hand - placed) / placed * 100:+.0f}%)",
-                  "what the executor counts by hand, vs the plan's peak less the transient bytes it "
-                  "reserves inside one layer's compute; MiB at peak: " + ", ".join(
-                      f"{k} {v / 2**20:.0f}" for k, v in sorted(placed_kinds.items()) if v))]
+                  f"with op temporaries (what the executor counts by hand alone: {hand / 2**20:.0f}); "
+                  f"MiB at peak: {kinds}")]
     return rows
 
 

@@ -35,6 +35,9 @@ class LayerCost:
     boundary_in_bytes: int    # its input boundary: what a checkpoint keeps
     bwd_transient_bytes: int  # gradient temporaries alive while its backward runs
     optimizer_s: float        # host optimizer step for this layer
+    # the head only: its bytes on the device when its weight gradient is made (the last op of its
+    # backward), without that gradient; see plan.ops.head_peak_bytes
+    bwd_tail_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,15 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             k = max(1, spec.experts_per_token)
             bwd_tr = tokens * (2 * model.hidden_size * 4 + 3 * inter * k * cb)
         elif spec.kind == "head":
-            # forward: bf16 logits + their fp32 copy live next to the saved log-softmax; backward:
-            # the fp32 and compute-dtype logits gradients. Either way 4 + cb bytes/token/vocab.
-            bwd_tr = tokens * model.vocab_size * (4 + cb)
+            # The loss (HF: logits.float(), then cross-entropy = log-softmax + NLL), per token and
+            # vocabulary entry: the forward holds the compute-dtype logits and their fp32 copy next
+            # to the fp32 log-softmax it saves (4 + cb bytes beyond it); the log-softmax's backward
+            # holds two fp32 gradients (the NLL's, its own) next to it (8 bytes beyond: the most).
+            # The lm_head's weight gradient comes last, next to the compute-dtype logits gradient,
+            # once the saved log-softmax is freed (bwd_tail_bytes). Measured on the CPU device with
+            # count_op_temporaries: the head's peak is the log-softmax backward's.
+            bwd_tr = tokens * model.vocab_size * 8
+            tail = act - tokens * model.vocab_size * (4 - cb)
         else:
             bwd_tr = 0
         out.append(LayerCost(
@@ -107,7 +116,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             fwd_s=spec.flops_fwd(tokens, job.seq_len) / flops,
             bwd_s=spec.flops_bwd(tokens, job.seq_len, weight_grads=full) / flops,
             act_bytes=act, boundary_in_bytes=bnd if spec.kind != "embed" else 0,
-            bwd_transient_bytes=bwd_tr,
+            bwd_transient_bytes=bwd_tr, bwd_tail_bytes=tail if spec.kind == "head" else 0,
             optimizer_s=trainable * opt_traffic_per_param / hw.host_memory_bytes_per_s,
         ))
 

@@ -32,7 +32,8 @@ from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grad_d2h_bytes,
-                  grads_in_flight, held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
+                  grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence, refetch_last_kept,
+                  update_window, weight_parts)
 
 
 
@@ -247,9 +248,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         prob += D[b] == D[b - 1] + pulp.lpSum(kept[(s, e, m)] / GiB * v for (s, e, m, t), v in x.items()
                                               if e == b and t == "device"), f"D_{b}"
     P = pulp.LpVariable("P", lowBound=0)
-    head = layers[L + 1]
-    prob += P >= base + D[L] + (head.act_bytes + head.bwd_transient_bytes
-                                + grads_in_flight(costs, L + 1, L + 1)) / GiB, "peak_head"
+    prob += P >= base + D[L] + head_peak_bytes(costs) / GiB, "peak_head"
     prob += P >= base + grads_in_flight(costs, 0, 0) / GiB, "peak_embed_bwd"
     for b in range(L):
         starting = pulp.lpSum((kept[(s, e, m)] * (t == "device") + work[(s, e, m)]

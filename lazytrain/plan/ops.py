@@ -133,6 +133,16 @@ def update_window(num_blocks: int, j: int, k_backward: int, clip_grad: bool) -> 
     return fwd_window(num_blocks, j - 1) if j >= 1 else 2 * num_blocks + 2
 
 
+def head_peak_bytes(costs) -> int:
+    """The head's own device bytes at its most (beyond what the layers before it keep): what it
+    saves, plus the larger of two moments of its backward: the log-softmax's (its transient bytes,
+    before any weight gradient exists) and the lm_head's, whose weight gradient (`grads_in_flight`)
+    is made next to the logits gradient after the saved log-softmax was freed (`bwd_tail_bytes`)."""
+    head = costs.layers[costs.num_blocks + 1]
+    late = head.bwd_tail_bytes + grads_in_flight(costs, costs.num_blocks + 1, costs.num_blocks + 1)
+    return max(head.act_bytes + head.bwd_transient_bytes, late)
+
+
 def grads_in_flight(costs, first: int, last: int) -> int:
     """Most weight-gradient bytes on the device while layers last..first run backward (in that
     order): a layer's own and the previous one's (the layer after it), which may still be leaving

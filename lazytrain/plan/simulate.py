@@ -14,7 +14,8 @@ from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grad_d2h_bytes,
-                  grads_in_flight, held_into_next_cycle, op_sequence, refetch_last_kept, update_window, weight_parts)
+                  grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence, refetch_last_kept,
+                  update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -172,9 +173,7 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
         for j in range(seg.s + 1, seg.e + 1):
             transient = layers[j].act_bytes if seg.mode == RECOMPUTE else 0
             curve.append((fwd_window(L, j), static + held + transient))
-    head = layers[L + 1]
-    curve.append((fwd_window(L, L + 1), static + held + head.act_bytes + head.bwd_transient_bytes
-                  + grads_in_flight(costs, L + 1, L + 1)))
+    curve.append((fwd_window(L, L + 1), static + held + head_peak_bytes(costs)))
     for seg in reversed(a.segments):  # backward
         curve.append((bwd_window(L, seg.e), static + held + seg.working_bytes(costs)
                       + grads_in_flight(costs, seg.s + 1, seg.e)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from functools import partial
 from typing import Iterator
@@ -29,6 +29,16 @@ class DeviceBudgetExceeded(MemoryError):
     """The executor would place more bytes on the device tier than the plan's budget."""
 
 
+class Held:
+    """Bytes counted for one storage by `MemoryAccountant.hold`: uncounted when the storage is
+    freed or on `MemoryAccountant.release`, whichever comes first."""
+
+    __slots__ = ("nbytes", "kind", "counted", "ref")
+
+    def __init__(self, nbytes: int, kind: str) -> None:
+        self.nbytes, self.kind, self.counted, self.ref = nbytes, kind, True, None
+
+
 class MemoryAccountant:
     def __init__(self, budget_bytes: int, enforce: bool) -> None:
         self.budget_bytes = int(budget_bytes)
@@ -39,8 +49,21 @@ class MemoryAccountant:
         self.peak_by_kind: dict[str, int] = {}
         self._lock = threading.Lock()
         self._window: OpTemporaries | None = None   # the layer compute being watched, if any
+        # Storages freed since the last count, from weakref callbacks. Those may run inside a
+        # garbage collection, i.e. while any lock is held (this one too): they only append here,
+        # and the queue is drained before anything is counted (`_drain`).
+        self._dead: deque = deque()
+
+    def _drain(self) -> None:
+        while self._dead:
+            try:
+                fn = self._dead.popleft()
+            except IndexError:   # drained by another thread meanwhile
+                return
+            fn()
 
     def alloc(self, nbytes: int, kind: str) -> None:
+        self._drain()
         if nbytes <= 0:
             return
         with self._lock:
@@ -66,13 +89,34 @@ class MemoryAccountant:
             self.by_kind[kind] -= nbytes
 
     def reset_peak(self) -> None:
+        self._drain()
         with self._lock:
             self.peak_bytes = self.live_bytes
             self.peak_by_kind = dict(self.by_kind)
 
+    def hold(self, t: torch.Tensor, kind: str) -> Held:
+        """Count `t`'s storage as `kind` until it is freed or `release(held)` (a tensor autograd
+        saved: it may drop it during the layer's backward, before the executor releases the
+        layer). Inside a watched window the storage stops being an op temporary."""
+        st = t.untyped_storage()
+        h = Held(st.nbytes(), kind)
+        self.adopt(t)
+        self.alloc(h.nbytes, kind)
+        h.ref = weakref.ref(st, lambda _r, h=h: self._dead.append(partial(self.release, h)))
+        return h
+
+    def release(self, h: Held) -> None:
+        """Uncount a `hold` (once: the storage's death and the owner's release may both come)."""
+        with self._lock:
+            if not h.counted:
+                return
+            h.counted = False
+            self.live_bytes -= h.nbytes
+            self.by_kind[h.kind] -= h.nbytes
+
     def adopt(self, t: torch.Tensor) -> None:
-        """`t` is counted by hand (alloc) from now on: inside a watched window its storage is no
-        longer an op temporary."""
+        """`t` is counted by hand from now on (call before counting it): inside a watched window
+        its storage is no longer an op temporary."""
         if self._window is not None:
             self._window.adopt(t)
 
@@ -97,29 +141,30 @@ class MemoryAccountant:
 class OpTemporaries(TorchDispatchMode):
     """Counts in the accountant (as `op_temporaries`) every storage an op creates on `device`
     while the window is open, from the op that makes it until it is freed, the executor counts
-    it by hand (`MemoryAccountant.adopt`: a saved activation, a fetched one), or the
+    it by hand (`MemoryAccountant.adopt`/`hold`: a saved activation, a fetched one), or the
     window closes (what survives is then the executor's to count: the layer's output, gradients).
 
     This is what a device allocator's peak sees and the executor's own counting does not: the
     temporaries of autograd and of the ops inside one layer (the head's fp32 logits and their
     gradients, an MLP's intermediate gradients), which the planner reserves as a layer's transient
     bytes. A new storage is an output whose storage is none of the op's inputs' (views and in-place
-    results are not new memory). Scratch an op frees before it returns stays invisible. Over the
-    budget it raises DeviceBudgetExceeded like any other placement. Cost: one Python call per op
-    (~1-3% of a step of a 200M model here), so it is an executor option."""
+    results are not new memory); an op that mutates its arguments (`out=`, `resize_`) is checked
+    for storages it grew. Scratch an op frees before it returns stays invisible. Over the budget it
+    raises DeviceBudgetExceeded like any other placement. Cost: one Python call per op, ~10% of a
+    step of a 200M model here, so it is an executor option."""
 
     def __init__(self, acct: MemoryAccountant, device: torch.device) -> None:
         super().__init__()
         self.acct, self.device_type = acct, torch.device(device).type
-        self.live: dict[int, int] = {}   # storage data_ptr -> bytes counted
-        self.refs: dict[int, weakref.ref] = {}
+        # id(storage) -> [bytes counted, weakref]; storages keep their Python object while alive
+        self.live: dict[int, list] = {}
         self.open = False
         self.paused = 0
-        self._lock = threading.Lock()
 
     def __enter__(self):
         if self.acct._window is not None:
             raise RuntimeError("OpTemporaries windows do not nest")
+        self.acct._drain()
         self.open = True
         self.acct._window = self
         return super().__enter__()
@@ -129,54 +174,67 @@ class OpTemporaries(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self.acct._window = None
-            with self._lock:
-                self.open = False
-                nb = sum(self.live.values())
-                self.live.clear()
-                self.refs.clear()
+            self.acct._drain()
+            self.open = False
+            nb = sum(e[0] for e in self.live.values())
+            self.live.clear()
             self.acct.free(nb, OP_TEMPORARIES)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if self.paused:
-            return out
+            return func(*args, **kwargs)
+        mutated = None
+        if func._schema.is_mutable:   # out=, resize_, in-place: sizes before, to see growth
+            mutated = [(st, st.nbytes()) for st in self._storages(args, kwargs)]
+        out = func(*args, **kwargs)
+        self.acct._drain()   # what the op freed, before what it made is counted
         inputs = None
         for t in _tensors(out):
             if t.device.type != self.device_type:
                 continue
             st = t.untyped_storage()
-            p = st.data_ptr()
-            if not p or p in self.live:
+            if not st.data_ptr() or id(st) in self.live:
                 continue
             if inputs is None:
-                inputs = {a.untyped_storage().data_ptr() for a in _tensors(args)}
-                inputs.update(a.untyped_storage().data_ptr() for a in _tensors(kwargs.values()))
-            if p in inputs:
-                continue
-            nb = st.nbytes()
-            with self._lock:
-                self.live[p] = nb
-                # fires when the storage is freed (storages keep their Python object while alive)
-                self.refs[p] = weakref.ref(st, partial(self._freed, p))
-            self.acct.alloc(nb, OP_TEMPORARIES)
+                inputs = {id(a) for a in self._storages(args, kwargs)}
+            if id(st) not in inputs:
+                self._track(st, st.nbytes())
+        for st, before in mutated or ():
+            grown = st.nbytes() - before
+            if grown > 0:
+                ent = self.live.get(id(st))
+                if ent is not None:
+                    ent[0] += grown
+                    self.acct.alloc(grown, OP_TEMPORARIES)
+                else:
+                    self._track(st, grown)
         return out
 
-    def _freed(self, ptr: int, _ref) -> None:
-        self._drop(ptr)
+    def _storages(self, args, kwargs) -> list:
+        return [a.untyped_storage() for a in (*_tensors(args), *_tensors(kwargs.values()))
+                if a.device.type == self.device_type]
+
+    def _track(self, st, nbytes: int) -> None:
+        key = id(st)
+        ent = [nbytes, None]
+        ent[1] = weakref.ref(st, lambda r, key=key: self.acct._dead.append(partial(self._drop, key, r)))
+        self.live[key] = ent
+        self.acct.alloc(nbytes, OP_TEMPORARIES)
 
     def adopt(self, t: torch.Tensor) -> None:
         """The executor counts `t` from now on: stop counting its storage here."""
-        self._drop(t.untyped_storage().data_ptr())
+        self._drop(id(t.untyped_storage()), None)
 
-    def _drop(self, ptr: int) -> None:
-        with self._lock:
-            if not self.open:
-                return
-            nb = self.live.pop(ptr, None)
-            self.refs.pop(ptr, None)
-        if nb is not None:
-            self.acct.free(nb, OP_TEMPORARIES)
+    def _drop(self, key: int, ref) -> None:
+        if not self.open:
+            return
+        ent = self.live.get(key)
+        # `ref`: the weakref that fired; the id may since belong to a newer storage
+        if ent is None or (ref is not None and ent[1] is not ref):
+            return
+        del self.live[key]
+        self.acct.free(ent[0], OP_TEMPORARIES)
 
 
 def _tensors(x) -> Iterator[torch.Tensor]:

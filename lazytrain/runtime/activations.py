@@ -20,7 +20,7 @@ import torch
 
 from ..storage.aligned_io import DirectFile, IOPool, aligned_empty, round_up
 from ..storage.flat import typed
-from .accountant import MemoryAccountant
+from .accountant import Held, MemoryAccountant
 from .trace import Trace
 
 
@@ -62,7 +62,7 @@ class _Rec:
 @dataclass
 class _LayerActs:
     recs: list[_Rec] = field(default_factory=list)
-    kept_storages: dict[int, tuple[int, str]] = field(default_factory=dict)  # ptr -> (bytes, kind)
+    kept_storages: dict[int, Held] = field(default_factory=dict)  # ptr -> its count
     kept_recs: list[int] = field(default_factory=list)   # storage ptrs of device-tier save()s
     file: DirectFile | None = None
     file_bytes: int = 0
@@ -114,11 +114,10 @@ class ActivationStore:
                 return ("keep", t)
             if tier == "device":
                 if sp not in la.kept_storages:
-                    nb = t.untyped_storage().nbytes()
-                    la.kept_storages[sp] = (nb, kind)
+                    # counted until the layer is released, or until autograd frees it during the
+                    # layer's backward, as memory is
+                    la.kept_storages[sp] = self.acct.hold(t, kind)
                     self._protected[sp] += 1
-                    self.acct.alloc(nb, kind)
-                    self.acct.adopt(t)
                 return ("keep", t.detach())
             return ("rec", self._save(layer, tier, t))
 
@@ -238,8 +237,8 @@ class ActivationStore:
         start = self.trace.now()
         flat = torch.empty(rec.host.numel(), dtype=rec.dtype, device=self.device)
         rec.counted = flat.nbytes
-        self.acct.alloc(rec.counted, "activations_fetched")
         self.acct.adopt(flat)
+        self.acct.alloc(rec.counted, "activations_fetched")
         if self.cuda:
             if rec.event is not None:
                 self.h2d_stream.wait_event(rec.event)
@@ -262,8 +261,8 @@ class ActivationStore:
         buf = aligned_empty(nb, pin=self.cuda)
         if not self.cuda:
             rec.counted = nb
-            self.acct.alloc(nb, "activations_fetched")
             self.acct.adopt(buf)
+            self.acct.alloc(nb, "activations_fetched")
         write, f, trace = rec.write, la.file, self.trace
 
         def read() -> torch.Tensor:
@@ -316,8 +315,8 @@ class ActivationStore:
                 self.acct.free(rec.counted, "boundary" if rec.tier == "device" else "activations_fetched")
             if rec.write is not None:
                 rec.write.result()  # surface write errors; the file is reused next micro-batch
-        for nb, kind in la.kept_storages.values():
-            self.acct.free(nb, kind)
+        for held in la.kept_storages.values():
+            self.acct.release(held)
         self._unprotect(la.kept_storages)
         self._unprotect(la.kept_recs)
         if la.file is not None:

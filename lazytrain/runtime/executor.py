@@ -127,7 +127,7 @@ class StreamingExecutor:
         thread (default: on CUDA; inline on a CPU device). `count_op_temporaries` (CPU device): also
         count what autograd and the ops allocate inside each layer's forward and backward (see
         accountant.OpTemporaries), as a device allocator would, in the budget and the measured peak;
-        ~1-3% slower steps. On CUDA the allocator's own peak already covers them."""
+        ~10% slower steps. On CUDA the allocator's own peak already covers them."""
         if optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
         if master_dtype not in (torch.float32, torch.bfloat16):
@@ -161,7 +161,8 @@ class StreamingExecutor:
         # thing to the planner and to the accountant (on CUDA the allocator's figure covers it).
         if not self.cuda:
             self.acct.alloc(plan.hardware.workspace_bytes, "workspace")
-        self.count_op_temporaries = bool(count_op_temporaries) and not self.cuda
+        self._count_ops = False
+        self.count_op_temporaries = count_op_temporaries
         # On CUDA the measured peak is the allocator's, less what other owners in this process
         # already held when the executor was made (a model kept for comparison, a data batch); the
         # model's own device tensors are the executor's from here on. The predicted figure it is
@@ -414,12 +415,12 @@ class StreamingExecutor:
         # the head computes from detached leaves so its backward yields their gradients
         prev = mb["rl"].get(i)
         mb["rl"][i] = logits
+        for t in logits:   # counted by hand (a recompute's replace the forward's, counted then)
+            self.acct.adopt(t)
         if prev is None:
             nb = sum(t.nbytes for t in logits)
             mb["rl_bytes"][i] = mb["rl_bytes"].get(i, 0) + nb
             self.acct.alloc(nb, "router_logits")
-            for t in logits:
-                self.acct.adopt(t)
         if not mb["recomputing"]:
             mb["rl_leaf"][i] = tuple(t.detach().requires_grad_(True) for t in logits)
         return out
@@ -676,9 +677,19 @@ class StreamingExecutor:
         aux = mb.get("aux")
         return float(mb["loss"]), (float(aux) if aux is not None else None)
 
+    @property
+    def count_op_temporaries(self) -> bool:
+        """Whether each layer's op temporaries are counted (a CPU device only; settable between
+        steps, e.g. for one measuring step)."""
+        return self._count_ops
+
+    @count_op_temporaries.setter
+    def count_op_temporaries(self, on: bool) -> None:
+        self._count_ops = bool(on) and not self.cuda
+
     def _ops(self):
         """A window over one layer's compute counting its op temporaries (count_op_temporaries)."""
-        return self.acct.op_window(self.device) if self.count_op_temporaries else nullcontext()
+        return self.acct.op_window(self.device) if self._count_ops else nullcontext()
 
     def _track_live(self, live: int, g: torch.Tensor | None) -> int:
         """Count the tensor flowing between layers, the hidden state or its gradient (replaces the

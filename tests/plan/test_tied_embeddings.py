@@ -55,7 +55,10 @@ def test_resident_tied_matrix_is_counted_once(tied_pair, mode):
     head = ct.layers[-1]
     # backward moments: the head, each block (its kept activations and those before it), the
     # embedding; each with the weight grads then in flight (its own and the previous layer's)
-    moments = [acts + head.act_bytes + head.bwd_transient_bytes + grads_in_flight(ct, L + 1, L + 1)]
+    # the head: what it saves plus its log-softmax backward's two fp32 gradients, or later its
+    # weight gradient next to the logits gradient (the log-softmax output freed by then)
+    moments = [acts + max(head.act_bytes + head.bwd_transient_bytes,
+                          head.bwd_tail_bytes + grads_in_flight(ct, L + 1, L + 1))]
     moments += [sum(c.act_bytes for c in ct.layers[1:j + 1]) + ct.layers[j].bwd_transient_bytes
                 + grads_in_flight(ct, j, j) for j in range(1, L + 1)]
     moments.append(grads_in_flight(ct, 0, 0))

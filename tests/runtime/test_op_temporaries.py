@@ -28,108 +28,100 @@ def test_window_counts_new_storages_until_freed_or_closed():
         keep.mul_(3)
         z = keep + 0                              # new, although its input predates the window
         assert acct.live_bytes == 3 * MB
-        del x
-        assert acct.live_bytes == 2 * MB          # freed inside the window: uncounted at once
-        assert acct.by_kind[OP_TEMPORARIES] == 2 * MB
+        del x                                     # freed: uncounted before the next count
+        u = torch.ones(MB // 4)
+        assert acct.live_bytes == 3 * MB and acct.by_kind[OP_TEMPORARIES] == 3 * MB
+        assert acct.peak_bytes == 3 * MB
     # what survives the window is the caller's to count; the peak stays
     assert acct.live_bytes == 0 and acct.by_kind[OP_TEMPORARIES] == 0
     assert acct.peak_bytes == 3 * MB and acct.peak_by_kind[OP_TEMPORARIES] == 3 * MB
-    del y, v, z                                   # after the window: no effect on the count
+    del y, v, z, u                                # after the window: no effect on the count
+    acct.alloc(0, "nothing")
     assert acct.live_bytes == 0
 
 
-def test_adopted_and_host_side_storages_are_not_temporaries():
+def test_out_and_resize_growth_is_counted():
     acct = MemoryAccountant(1 << 40, enforce=True)
+    a, b = torch.ones(MB // 4), torch.ones(MB // 4)
     with acct.op_window(CPU):
-        saved = torch.ones(MB // 4)
-        acct.alloc(saved.nbytes, "activations")   # the executor counts it by hand from now on
-        acct.adopt(saved)
-        assert acct.by_kind[OP_TEMPORARIES] == 0 and acct.live_bytes == MB
-        with acct.host_side():
-            host = torch.ones(MB // 4)            # a host-tier copy's destination
+        o = torch.empty(0)
+        torch.add(a, b, out=o)                    # out= into an empty tensor: 1 MiB appears
         assert acct.live_bytes == MB
-        del saved, host                           # freeing them changes nothing here either
+        c = a * 1                                 # tracked (1 MiB), then grown in place to 2 MiB
+        c.resize_(MB // 2)
+        assert acct.live_bytes == MB + 2 * MB
+        del c
+        acct.alloc(0, "nothing")                  # (frees are settled before anything is counted)
         assert acct.live_bytes == MB
+
+
+def test_held_storage_is_uncounted_when_freed_or_released():
+    acct = MemoryAccountant(1 << 40, enforce=True)
+    t = torch.ones(MB // 4)
+    h = acct.hold(t, "activations")
     assert acct.by_kind["activations"] == MB
+    del t                                         # autograd dropped it: memory is back
+    acct.alloc(0, "nothing")
+    assert acct.by_kind["activations"] == 0 and acct.live_bytes == 0
+    acct.release(h)                               # the owner's release after that: once only
+    assert acct.live_bytes == 0
+    t = torch.ones(MB // 4)
+    h = acct.hold(t, "activations")
+    acct.release(h)
+    del t
+    acct.alloc(0, "nothing")
+    assert acct.live_bytes == 0
 
 
-def test_autograd_temporaries_are_counted_and_over_budget_raises():
-    torch.manual_seed(0)
-    w = torch.randn(64, 2048, requires_grad=True)
-    h = torch.randn(256, 64, requires_grad=True)
-    logits_grad = 256 * 2048 * 4                  # the fp32 gradient of the logits, 2 MiB
+def test_freeing_during_garbage_collection_does_not_deadlock():
+    # A weakref callback runs inside a collection, which may start while a lock is held (the
+    # accountant's, or the window's bookkeeping): the callbacks must take none (a review's repro,
+    # which hung before the fix: storages freed by the collector, collections forced often).
+    import gc
+    import random
 
-    def loss():
-        return (h @ w).log_softmax(-1).mean()
+    class Box:
+        pass
 
     acct = MemoryAccountant(1 << 40, enforce=True)
-    out = loss()
-    with acct.op_window(CPU):
-        gw, gh = torch.autograd.grad(out, [w, h])
-    assert acct.peak_bytes >= logits_grad + gw.nbytes   # live at once inside the matmul's backward
-    assert acct.peak_bytes < 4 * logits_grad
-    # a budget below what the backward needs fails inside it, like a device allocator would
-    tight = MemoryAccountant(logits_grad // 2, enforce=True)
-    out = loss()
-    with pytest.raises(DeviceBudgetExceeded, match=OP_TEMPORARIES):
-        with tight.op_window(CPU):
-            torch.autograd.grad(out, [w, h])
-    assert tight.live_bytes == 0
+    rng = random.Random(0)
+    old = gc.get_threshold()
+    try:
+        with acct.op_window(CPU):
+            for _ in range(3000):
+                b = Box()
+                b.self, b.t = b, torch.ones(8)    # a cycle: freed by the collector, not refcounts
+                gc.collect(0)
+                del b
+                gc.set_threshold(rng.randint(1, 12), rng.randint(1, 12), 1000)
+                torch.ones(8) * 2
+                gc.set_threshold(*old)
+            gc.collect()
+            acct.alloc(0, "nothing")
+            assert acct.by_kind[OP_TEMPORARIES] == 0
+    finally:
+        gc.set_threshold(*old)
 
 
-def test_windows_do_not_nest():
-    acct = MemoryAccountant(1 << 40, enforce=True)
-    with acct.op_window(CPU):
-        with pytest.raises(RuntimeError, match="nest"):
-            with acct.op_window(CPU):
-                pass
+@pytest.mark.parametrize("vocab", [2048, 8192])
+def test_measured_peak_matches_the_planners_head_model(vocab):
+    # bf16, every layer resident: the peak is the head's (its log-softmax backward's two fp32
+    # gradients next to what it saved). The planner's prediction for the plan and the peak the
+    # executor measures with op temporaries agree within 3% (the model before this one, logits
+    # gradients + the weight gradient at once, was 5-7% off here).
+    from lazytrain.costmodel import job_costs
+    from lazytrain.plan.simulate import memory_peaks
+    from lazytrain.plan.solve import assignment_of
+    from lazytrain.spec import JobSpec, ModelSpec
 
-
-PLANS = {
-    "resident": {},
-    "streamed": {"param_tier": "host", "prefetch_depth": 1},
-    "acts-host": {"activation_tier": "host"},
-    "acts-nvme": {"activation_tier": "nvme"},
-    "recompute": {"segments": [(1, 3)]},
-}
-
-
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
-@pytest.mark.parametrize("plan_kw", list(PLANS.values()), ids=list(PLANS))
-def test_executor_counts_op_temporaries_without_changing_the_math(family, plan_kw, tmp_path):
-    # a wide vocabulary: the head's fp32 logits gradient (B*S*V*4 bytes) is the largest temporary
-    vocab = 2048
-    model = tiny_model(family, vocab_size=vocab)
-    batches = [random_batches(1, seed=s, batch=2, seq=32, vocab=vocab) for s in range(3)]
-    runs = {}
-    for count in (False, True):
-        (tmp_path / str(count)).mkdir()
-        ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_kw), device="cpu",
-                               nvme_dir=tmp_path / str(count), lr=1e-2, count_op_temporaries=count)
-        runs[count] = ([ex.train_step(b) for b in batches], dict(ex.acct.peak_by_kind), ex.acct.live_bytes)
-        ex.close()
-    (off, _, live_off), (on, kinds_on, live_on) = runs[False], runs[True]
-    assert [r.loss for r in on] == [r.loss for r in off]
-    assert live_on == live_off                     # nothing left counted between steps
-    for a, b in zip(on, off):
-        assert a.device_peak_bytes >= b.device_peak_bytes
-    logits_grad = 2 * 32 * vocab * 4
-    assert kinds_on.get(OP_TEMPORARIES, 0) >= logits_grad
-    assert on[-1].device_peak_bytes >= off[-1].device_peak_bytes + logits_grad // 2
-
-
-def test_budget_with_op_temporaries_is_enforced(tmp_path):
-    vocab = 2048
-    model = tiny_model("llama", vocab_size=vocab)
+    model = tiny_model("llama", vocab_size=vocab, dtype="bfloat16")
+    job = JobSpec(batch_size=2, seq_len=32, compute_dtype="bf16")
+    hw = hardware_for_tests()
+    plan = hand_plan(3, job=job, hardware=hw)
+    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
+    predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
+    ex = StreamingExecutor(model, plan, device="cpu", count_op_temporaries=True)
     batch = random_batches(1, seed=0, batch=2, seq=32, vocab=vocab)
-    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3), device="cpu", count_op_temporaries=False)
-    hand_counted = ex.train_step(batch).device_peak_bytes
+    measured = max(ex.train_step(batch).device_peak_bytes for _ in range(2))
     ex.close()
-    # room for everything the executor places, not for the head's logits gradient
-    plan = hand_plan(3, hardware=hardware_for_tests(device_memory_gib=(hand_counted + 4096) / 2**30))
-    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", count_op_temporaries=False)
-    ex.train_step(batch)
-    ex.close()
-    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", count_op_temporaries=True)
-    with pytest.raises(DeviceBudgetExceeded, match=OP_TEMPORARIES):
-        ex.train_step(batch)
+    assert abs(measured - predicted) <= 0.03 * predicted, (measured, predicted)
