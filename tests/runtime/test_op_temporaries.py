@@ -103,6 +103,127 @@ def test_freeing_during_garbage_collection_does_not_deadlock():
         gc.set_threshold(*old)
 
 
+def test_adopted_and_host_side_storages_are_not_temporaries():
+    acct = MemoryAccountant(1 << 40, enforce=True)
+    with acct.op_window(CPU):
+        saved = torch.ones(MB // 4)
+        acct.alloc(saved.nbytes, "activations")   # the executor counts it by hand from now on
+        acct.adopt(saved)
+        assert acct.by_kind[OP_TEMPORARIES] == 0 and acct.live_bytes == MB
+        with acct.host_side():
+            host = torch.ones(MB // 4)            # a host-tier copy's destination
+        assert acct.live_bytes == MB
+        del saved, host                           # freeing them changes nothing here either
+        assert acct.live_bytes == MB
+    assert acct.by_kind["activations"] == MB
+
+
+def test_autograd_temporaries_are_counted_and_over_budget_raises():
+    torch.manual_seed(0)
+    w = torch.randn(64, 2048, requires_grad=True)
+    h = torch.randn(256, 64, requires_grad=True)
+    logits_grad = 256 * 2048 * 4                  # the fp32 gradient of the logits, 2 MiB
+
+    def loss():
+        return (h @ w).log_softmax(-1).mean()
+
+    acct = MemoryAccountant(1 << 40, enforce=True)
+    out = loss()
+    with acct.op_window(CPU):
+        gw, gh = torch.autograd.grad(out, [w, h])
+    assert acct.peak_bytes >= logits_grad + gw.nbytes   # live at once inside the matmul's backward
+    assert acct.peak_bytes < 4 * logits_grad
+    # a budget below what the backward needs fails inside it, like a device allocator would
+    tight = MemoryAccountant(logits_grad // 2, enforce=True)
+    out = loss()
+    with pytest.raises(DeviceBudgetExceeded, match=OP_TEMPORARIES):
+        with tight.op_window(CPU):
+            torch.autograd.grad(out, [w, h])
+    assert tight.live_bytes == 0
+
+
+def test_windows_do_not_nest():
+    acct = MemoryAccountant(1 << 40, enforce=True)
+    with acct.op_window(CPU):
+        with pytest.raises(RuntimeError, match="nest"):
+            with acct.op_window(CPU):
+                pass
+
+
+PLANS = {
+    "resident": {},
+    "streamed": {"param_tier": "host", "prefetch_depth": 1},
+    "acts-host": {"activation_tier": "host"},
+    "acts-nvme": {"activation_tier": "nvme"},
+    "recompute": {"segments": [(1, 3)]},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("plan_kw", list(PLANS.values()), ids=list(PLANS))
+def test_executor_counts_op_temporaries_without_changing_the_math(family, plan_kw, tmp_path):
+    # a wide vocabulary: the head's fp32 logits gradient (B*S*V*4 bytes) is the largest temporary
+    vocab = 2048
+    model = tiny_model(family, vocab_size=vocab)
+    batches = [random_batches(1, seed=s, batch=2, seq=32, vocab=vocab) for s in range(3)]
+    runs = {}
+    for count in (False, True):
+        (tmp_path / str(count)).mkdir()
+        ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_kw), device="cpu",
+                               nvme_dir=tmp_path / str(count), lr=1e-2, count_op_temporaries=count)
+        runs[count] = ([ex.train_step(b) for b in batches], dict(ex.acct.peak_by_kind), ex.acct.live_bytes)
+        ex.close()
+    (off, _, live_off), (on, kinds_on, live_on) = runs[False], runs[True]
+    assert [r.loss for r in on] == [r.loss for r in off]
+    assert live_on == live_off                     # nothing left counted between steps
+    for a, b in zip(on, off):
+        assert a.device_peak_bytes >= b.device_peak_bytes
+    logits_grad = 2 * 32 * vocab * 4
+    assert kinds_on.get(OP_TEMPORARIES, 0) >= logits_grad
+    assert on[-1].device_peak_bytes >= off[-1].device_peak_bytes + logits_grad // 2
+
+
+def test_router_logits_are_counted_once_also_when_recomputed():
+    # MoE router logits are counted by hand (router_logits): not also as op temporaries, in the
+    # forward and in a recompute segment's re-run (a review finding)
+    vocab = 2048
+    model = tiny_model("mixtral", vocab_size=vocab, output_router_logits=True, router_aux_loss_coef=0.02)
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, segments=[(1, 3)]), device="cpu",
+                           lr=1e-2, count_op_temporaries=True)
+    seen = []
+    fwd = ex._fwd
+
+    def checked(i, x, mb):
+        out = fwd(i, x, mb)
+        if i in mb["rl"]:
+            live = ex.acct._window.live
+            seen.append((mb["recomputing"], sum(id(t.untyped_storage()) in live for t in mb["rl"][i])))
+        return out
+
+    ex._fwd = checked
+    ex.train_step(random_batches(1, seed=0, batch=2, seq=32, vocab=vocab))
+    ex.close()
+    assert {r for r, _ in seen} == {False, True}
+    assert all(n == 0 for _, n in seen), seen
+
+
+def test_budget_with_op_temporaries_is_enforced(tmp_path):
+    vocab = 2048
+    model = tiny_model("llama", vocab_size=vocab)
+    batch = random_batches(1, seed=0, batch=2, seq=32, vocab=vocab)
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3), device="cpu", count_op_temporaries=False)
+    hand_counted = ex.train_step(batch).device_peak_bytes
+    ex.close()
+    # room for everything the executor places, not for the head's logits gradient
+    plan = hand_plan(3, hardware=hardware_for_tests(device_memory_gib=(hand_counted + 4096) / 2**30))
+    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", count_op_temporaries=False)
+    ex.train_step(batch)
+    ex.close()
+    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", count_op_temporaries=True)
+    with pytest.raises(DeviceBudgetExceeded, match=OP_TEMPORARIES):
+        ex.train_step(batch)
+
+
 @pytest.mark.parametrize("vocab", [2048, 8192])
 def test_measured_peak_matches_the_planners_head_model(vocab):
     # bf16, every layer resident: the peak is the head's (its log-softmax backward's two fp32
