@@ -63,6 +63,10 @@ class JobCosts:
         return self.layers[1:-1]
 
 
+# saved tensors whose dtype does not follow the compute dtype (LayerSpec.saved_bytes_per_token keys)
+DTYPE_FIXED_SAVES = ("input_ids", "log_softmax")
+
+
 def optimizer_traffic_per_param(job: JobSpec) -> float:
     """Bytes the host update streams per trainable parameter: master, gradient and both moments in
     and out, compute-dtype weights out. The update is charged as memory-bound at
@@ -90,7 +94,10 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         # (the executor hands it to the embed's backward on the host)
         borrowed_grad = model.vocab_size * model.hidden_size if (tied_head and full) else 0
         # bf16 saved bytes in the spec assume 2-byte compute; scale if the job computes in fp32
-        act = spec.saved_bytes(tokens) * cb // 2
+        # (not what is saved in its own dtype whatever the compute dtype: token ids, the loss's
+        # fp32 log-softmax)
+        fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
+        act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
         if spec.kind == "block":
             inter = max((lin.out_features for lin in spec.linears if lin.name.endswith("up_proj")),
                         default=model.intermediate_size)

@@ -53,14 +53,15 @@ class MemoryAccountant:
         # garbage collection, i.e. while any lock is held (this one too): they only append here,
         # and the queue is drained before anything is counted (`_drain`).
         self._dead: deque = deque()
+        # serialises draining with a window's own bookkeeping (its live table): any thread that
+        # counts drains, the window's thread changes the table (callbacks only append, so a
+        # collection while this is held cannot deadlock)
+        self._drain_lock = threading.RLock()
 
     def _drain(self) -> None:
-        while self._dead:
-            try:
-                fn = self._dead.popleft()
-            except IndexError:   # drained by another thread meanwhile
-                return
-            fn()
+        with self._drain_lock:
+            while self._dead:
+                self._dead.popleft()()
 
     def alloc(self, nbytes: int, kind: str) -> None:
         self._drain()
@@ -101,8 +102,12 @@ class MemoryAccountant:
         st = t.untyped_storage()
         h = Held(st.nbytes(), kind)
         self.adopt(t)
-        self.alloc(h.nbytes, kind)
         h.ref = weakref.ref(st, lambda _r, h=h: self._dead.append(partial(self.release, h)))
+        try:
+            self.alloc(h.nbytes, kind)
+        except DeviceBudgetExceeded:
+            self.release(h)   # counted by alloc before it raised: nobody else will uncount it
+            raise
         return h
 
     def release(self, h: Held) -> None:
@@ -174,10 +179,11 @@ class OpTemporaries(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self.acct._window = None
-            self.acct._drain()
-            self.open = False
-            nb = sum(e[0] for e in self.live.values())
-            self.live.clear()
+            with self.acct._drain_lock:
+                self.acct._drain()
+                self.open = False
+                nb = sum(e[0] for e in self.live.values())
+                self.live.clear()
             self.acct.free(nb, OP_TEMPORARIES)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -203,9 +209,11 @@ class OpTemporaries(TorchDispatchMode):
         for st, before in mutated or ():
             grown = st.nbytes() - before
             if grown > 0:
-                ent = self.live.get(id(st))
+                with self.acct._drain_lock:
+                    ent = self.live.get(id(st))
+                    if ent is not None:
+                        ent[0] += grown
                 if ent is not None:
-                    ent[0] += grown
                     self.acct.alloc(grown, OP_TEMPORARIES)
                 else:
                     self._track(st, grown)
@@ -219,7 +227,8 @@ class OpTemporaries(TorchDispatchMode):
         key = id(st)
         ent = [nbytes, None]
         ent[1] = weakref.ref(st, lambda r, key=key: self.acct._dead.append(partial(self._drop, key, r)))
-        self.live[key] = ent
+        with self.acct._drain_lock:
+            self.live[key] = ent
         self.acct.alloc(nbytes, OP_TEMPORARIES)
 
     def adopt(self, t: torch.Tensor) -> None:
@@ -227,13 +236,14 @@ class OpTemporaries(TorchDispatchMode):
         self._drop(id(t.untyped_storage()), None)
 
     def _drop(self, key: int, ref) -> None:
-        if not self.open:
-            return
-        ent = self.live.get(key)
-        # `ref`: the weakref that fired; the id may since belong to a newer storage
-        if ent is None or (ref is not None and ent[1] is not ref):
-            return
-        del self.live[key]
+        with self.acct._drain_lock:
+            if not self.open:
+                return
+            ent = self.live.get(key)
+            # `ref`: the weakref that fired; the id may since belong to a newer storage
+            if ent is None or (ref is not None and ent[1] is not ref):
+                return
+            del self.live[key]
         self.acct.free(ent[0], OP_TEMPORARIES)
 
 

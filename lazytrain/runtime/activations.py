@@ -113,11 +113,13 @@ class ActivationStore:
             if sp in self.resident_ptrs or t.numel() == 0:
                 return ("keep", t)
             if tier == "device":
-                if sp not in la.kept_storages:
-                    # counted until the layer is released, or until autograd frees it during the
-                    # layer's backward, as memory is
+                held = la.kept_storages.get(sp)
+                if held is None or held.ref() is None:
+                    # counted until the layer is released, or until autograd frees it (also in
+                    # this forward: a newer storage at the same address is counted anew)
                     la.kept_storages[sp] = self.acct.hold(t, kind)
-                    self._protected[sp] += 1
+                    if held is None:
+                        self._protected[sp] += 1
                 return ("keep", t.detach())
             return ("rec", self._save(layer, tier, t))
 

@@ -103,6 +103,34 @@ def test_freeing_during_garbage_collection_does_not_deadlock():
         gc.set_threshold(*old)
 
 
+def test_saved_storage_at_a_freed_ones_address_is_counted_anew():
+    # A kept saved tensor freed within the layer's forward, then another saved at the same
+    # address: the second is counted too (a review finding: it was taken for the first)
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.runtime.trace import Trace
+
+    acct = MemoryAccountant(1 << 40, enforce=True)
+    acts = ActivationStore(CPU, acct, Trace(None), None, None, ["l0"])
+    pack = acts.hooks(0, "device", lambda j: None).pack_hook
+    freed: set[int] = set()
+    for _ in range(50):    # until malloc hands a freed address out again (small sizes: soon)
+        t = torch.ones(4096)
+        packed = pack(t)
+        sp = t.untyped_storage().data_ptr()
+        acct.alloc(0, "nothing")
+        assert acct.by_kind["activations"] == t.nbytes, sp in freed   # the live one, once
+        del t, packed
+        acct.alloc(0, "nothing")
+        assert acct.by_kind["activations"] == 0                        # freed: uncounted
+        if sp in freed:
+            break
+        freed.add(sp)
+    else:
+        pytest.skip("the allocator never reused an address")
+    acts.release(0)
+    assert acct.live_bytes == 0
+
+
 def test_adopted_and_host_side_storages_are_not_temporaries():
     acct = MemoryAccountant(1 << 40, enforce=True)
     with acct.op_window(CPU):
@@ -224,19 +252,22 @@ def test_budget_with_op_temporaries_is_enforced(tmp_path):
         ex.train_step(batch)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("vocab", [2048, 8192])
-def test_measured_peak_matches_the_planners_head_model(vocab):
-    # bf16, every layer resident: the peak is the head's (its log-softmax backward's two fp32
-    # gradients next to what it saved). The planner's prediction for the plan and the peak the
-    # executor measures with op temporaries agree within 3% (the model before this one, logits
-    # gradients + the weight gradient at once, was 5-7% off here).
+def test_measured_peak_matches_the_planners_head_model(vocab, dtype):
+    # Every layer resident: the peak is the head's (its log-softmax backward's two fp32 gradients
+    # next to what it saved). The planner's prediction for the plan and the peak the executor
+    # measures with op temporaries agree within 3% in bf16 (the model before this one, logits
+    # gradients + the weight gradient at once, was 5-7% off here); in fp32 within 5% (the
+    # blocks' activation bytes are scaled from bf16 wholesale: -3.5% at vocab 2048; the head's
+    # fp32 log-softmax, once scaled too, made it -19%).
     from lazytrain.costmodel import job_costs
     from lazytrain.plan.simulate import memory_peaks
     from lazytrain.plan.solve import assignment_of
     from lazytrain.spec import JobSpec, ModelSpec
 
-    model = tiny_model("llama", vocab_size=vocab, dtype="bfloat16")
-    job = JobSpec(batch_size=2, seq_len=32, compute_dtype="bf16")
+    model = tiny_model("llama", vocab_size=vocab, dtype=dtype)
+    job = JobSpec(batch_size=2, seq_len=32, compute_dtype={"bfloat16": "bf16", "float32": "fp32"}[dtype])
     hw = hardware_for_tests()
     plan = hand_plan(3, job=job, hardware=hw)
     spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
@@ -245,4 +276,5 @@ def test_measured_peak_matches_the_planners_head_model(vocab):
     batch = random_batches(1, seed=0, batch=2, seq=32, vocab=vocab)
     measured = max(ex.train_step(batch).device_peak_bytes for _ in range(2))
     ex.close()
-    assert abs(measured - predicted) <= 0.03 * predicted, (measured, predicted)
+    tol = 0.03 if dtype == "bfloat16" else 0.05
+    assert abs(measured - predicted) <= tol * predicted, (measured, predicted)
