@@ -57,6 +57,10 @@ class JobCosts:
     # the update reads the gradients where backward left them (runtime LayerTrainState.accumulate;
     # plan.ops.grad_d2h_bytes)
     direct_grads: bool = False
+    # a CPU device: each layer's gradients are taken off inline right after its backward, before
+    # the next one's starts (the executor's default there), so one layer's are in flight, not two
+    # (plan.ops.grads_in_flight)
+    grads_inline: bool = False
 
     @property
     def blocks(self) -> tuple[LayerCost, ...]:
@@ -131,7 +135,8 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     # LoRA adapters stay resident with fp32 master, grads and both moments on the device
     lora_bytes = lora_params * (4 + 4 + 8)
     # Gradients are not static: a layer's weight grads are on the device from its backward until
-    # they have left (the executor keeps at most two layers' in flight); plan/ops.grads_in_flight.
+    # they have left (the executor keeps at most two layers' in flight; one on a CPU device, where
+    # they leave inline); plan/ops.grads_in_flight.
     device_static = hw.workspace_bytes + lora_bytes + 2 * bnd
     host_capacity = hw.host_usable_bytes
     if hw.device_type == "cpu":  # the "device" budget is carved out of the same RAM
@@ -144,4 +149,5 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         trains_base=full, clip_grad=job.clip_grad,
         direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1 and not job.clip_grad
                       and job.master_dtype == job.compute_dtype and job.master_bytes < 4),
+        grads_inline=hw.copies_share_compute,
     )

@@ -146,8 +146,11 @@ def head_peak_bytes(costs) -> int:
 def grads_in_flight(costs, first: int, last: int) -> int:
     """Most weight-gradient bytes on the device while layers last..first run backward (in that
     order): a layer's own and the previous one's (the layer after it), which may still be leaving
-    (the executor waits before a third). The head is the first backward: nothing before it."""
+    (the executor waits before a third); on a CPU device only its own (`costs.grads_inline`: the
+    previous one's left inline before this backward began). The head is the first backward:
+    nothing before it."""
     layers = costs.layers
     n = len(layers)
-    return max(layers[j].grad_device_bytes + (layers[j + 1].grad_device_bytes if j + 1 < n else 0)
+    prev = not costs.grads_inline
+    return max(layers[j].grad_device_bytes + (layers[j + 1].grad_device_bytes if prev and j + 1 < n else 0)
                for j in range(first, last + 1))

@@ -124,7 +124,8 @@ class StreamingExecutor:
         `job.master_dtype`), taken from the model's original values: fp32 (mixed precision), or
         bf16 for pure-bf16 training (exactly torch's AdamW on bf16 parameters, less memory and
         traffic, coarser updates). `overlap_optimizer`: run accumulation and updates on their own
-        thread (default: on CUDA; inline on a CPU device). `count_op_temporaries` (CPU device): also
+        thread (default: on CUDA; inline on a CPU device, as the planner assumes there: on a thread
+        two layers' gradients may be in flight where it counts one). `count_op_temporaries` (CPU device): also
         count what autograd and the ops allocate inside each layer's forward and backward (see
         accountant.OpTemporaries), as a device allocator would, in the budget and the measured peak;
         ~10% slower steps. On CUDA the allocator's own peak already covers them."""
@@ -480,7 +481,8 @@ class StreamingExecutor:
             st = self.states[i]
             nb = sum(gr.nbytes for gr in pg if gr is not None)
             # At most two layers' weight grads on the device (this one and the previous, maybe
-            # still leaving), as the planner counts them (plan.ops.grads_in_flight).
+            # still leaving; on a CPU device the inline pool has taken the previous one's
+            # already), as the planner counts them (plan.ops.grads_in_flight).
             self._drain_grads(keep=1)
             self.acct.alloc(nb, "grads")
             if self.cuda:
