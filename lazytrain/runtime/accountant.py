@@ -180,10 +180,12 @@ class OpTemporaries(TorchDispatchMode):
         finally:
             self.acct._window = None
             with self.acct._drain_lock:
-                self.acct._drain()
-                self.open = False
-                nb = sum(e[0] for e in self.live.values())
-                self.live.clear()
+                try:
+                    self.acct._drain()
+                finally:   # closed and uncounted even if a drained action raised
+                    self.open = False
+                    nb = sum(e[0] for e in self.live.values())
+                    self.live.clear()
             self.acct.free(nb, OP_TEMPORARIES)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

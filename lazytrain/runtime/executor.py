@@ -124,8 +124,7 @@ class StreamingExecutor:
         `job.master_dtype`), taken from the model's original values: fp32 (mixed precision), or
         bf16 for pure-bf16 training (exactly torch's AdamW on bf16 parameters, less memory and
         traffic, coarser updates). `overlap_optimizer`: run accumulation and updates on their own
-        thread (default: on CUDA; inline on a CPU device, as the planner assumes there: on a thread
-        two layers' gradients may be in flight where it counts one). `count_op_temporaries` (CPU device): also
+        thread (default: on CUDA; inline on a CPU device). `count_op_temporaries` (CPU device): also
         count what autograd and the ops allocate inside each layer's forward and backward (see
         accountant.OpTemporaries), as a device allocator would, in the budget and the measured peak;
         ~10% slower steps. On CUDA the allocator's own peak already covers them."""
@@ -447,6 +446,11 @@ class StreamingExecutor:
         inputs = [*params, *(p for _, p in shared), *ads, *leaf_ts] + ([x] if x is not None else [])
         if not inputs:
             return None
+        if not self.cuda:
+            # the planner counts one layer's weight gradients on a CPU device (JobCosts.grads_inline):
+            # with the accumulation on a thread (overlap_optimizer=True) the last layer's may still
+            # be leaving; inline they have left already
+            self._drain_grads(keep=0)
         t = self.trace.now()
         with self._ops():
             grads = torch.autograd.grad(outs, inputs, grad_outputs=gouts, allow_unused=True)
@@ -497,8 +501,10 @@ class StreamingExecutor:
             borrowed = self.borrowed_grads.pop(i, None)
 
             def accumulate(pg=pg, nb=nb, borrowed=borrowed) -> None:
-                st.accumulate(list(pg), first, last, shared=borrowed)
-                self.acct.free(nb, "grads")
+                try:
+                    st.accumulate(list(pg), first, last, shared=borrowed)
+                finally:   # a failed accumulation leaves nothing counted (the step raises)
+                    self.acct.free(nb, "grads")
 
             fut = self.opt_pool.submit(accumulate)
             self._pending.append(fut)
