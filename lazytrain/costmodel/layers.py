@@ -144,7 +144,11 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     return JobCosts(
         layers=tuple(out), num_blocks=model.num_layers, grad_accum=job.grad_accum,
         tokens_per_micro_batch=tokens, device_static_bytes=device_static,
-        host_static_bytes=0, host_capacity_bytes=host_capacity,
+        # a tied head's share of the matrix's gradient waits on the host for the embedding's
+        # backward (the executor's borrowed_grads), in the compute dtype
+        host_static_bytes=model.vocab_size * model.hidden_size * cb
+        if (full and model.tie_word_embeddings) else 0,
+        host_capacity_bytes=host_capacity,
         device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
         trains_base=full, clip_grad=job.clip_grad,
         direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1 and not job.clip_grad

@@ -162,3 +162,21 @@ def test_full_tuning_moves_the_shared_matrix_once_per_update(tied_pair):
     grads_after_head = [amount for res, _, layer, what, amount in items[fwd_window(L, L + 1) + 1]
                         if what == "grads" and layer == "head"]
     assert grads_after_head == [tied.hidden_size * cb + matrix]
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_head_share_of_the_tied_gradient_is_counted_on_the_host(tied_pair, mode):
+    # Full fine-tuning: the head's share of the shared matrix's gradient waits on the host until
+    # the embedding's backward (the executor's borrowed_grads); the untied model has none
+    tied, untied, h, job = tied_pair
+    job = replace(job, mode=mode)
+    ct, cu = job_costs(tied, h, job), job_costs(untied, h, job)
+    a = _assignment(tied.num_layers, ("device",) * (tied.num_layers + 2))
+    share = tied.vocab_size * tied.hidden_size * job.compute_bytes if mode == "full" else 0
+    assert ct.host_static_bytes == share and cu.host_static_bytes == 0
+    host_t = memory_peaks(ct, a, depth=2)[0]["host"]
+    host_u = memory_peaks(cu, a, depth=2)[0]["host"]
+    # the untied model's head holds its own matrix and its optimizer state on the host instead
+    untied_extra = sum(c.optimizer_bytes + c.grad_store_bytes for c in cu.layers) - \
+        sum(c.optimizer_bytes + c.grad_store_bytes for c in ct.layers)
+    assert host_t - host_u == share - untied_extra
