@@ -19,6 +19,7 @@ from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
 from .milp import MilpResult, Pins, solve_milp
 from .plan import SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
+from .ops import FWD, HEAD, head_peak_bytes, op_sequence
 from .simulate import Timeline, memory_peaks, simulate
 from .simplify import simplify
 
@@ -239,8 +240,24 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
         lines.append("the device is the CPU: host<->device copies are memcpys by the computing cores "
                      "(they add to the step), NVMe reads land in device memory")
     dev = plan.predicted.peak_bytes["device"]
-    lines.append(f"device peak {_gib(dev)} of {_gib(plan.hardware.device_memory_bytes)} budget")
+    lines.append(f"device peak {_gib(dev)} of {_gib(plan.hardware.device_memory_bytes)} budget"
+                 + _peak_where(plan, costs))
     return lines
+
+
+def _peak_where(plan: Plan, costs: JobCosts) -> str:
+    """Which op of the micro-batch sets the device peak, and for the loss what it holds."""
+    curve = memory_peaks(costs, assignment_of(plan), plan.options.prefetch_depth)[1]
+    if not curve:
+        return ""
+    op = op_sequence(costs.num_blocks)[max(curve, key=lambda c: c[1])[0]]
+    name = plan.layers[op.layer].name
+    if op.kind == HEAD:
+        tokens, vocab = costs.tokens_per_micro_batch, plan.model_config.get("vocab_size")
+        return (f", at the loss: the head's own {_gib(head_peak_bytes(costs))} (what it saves, and in its "
+                f"backward two fp32 gradients over {tokens} tokens x {vocab} vocabulary; fewer tokens "
+                f"per micro-batch shrink it)")
+    return f", at the {'forward' if op.kind == FWD else 'backward'} of {name}"
 
 
 def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,

@@ -10,7 +10,7 @@ import pytest
 import lazytrain.plan.solve as solve_mod
 from lazytrain.cli.main import main as cli_main
 from lazytrain.plan import Plan, PlannerOptions, heuristic_plan, max_batch, min_device_bytes, plan_job
-from lazytrain.spec import GiB, ModelSpec
+from lazytrain.spec import GiB, JobSpec, ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -201,3 +201,21 @@ def test_plans_are_simplified_without_getting_slower(small):
     raw = solve_milp(job_costs(model, roomy, job), roomy)
     assert plan.predicted.step_time_s <= raw.objective_s * (1 + 1e-9)
     assert plan.predicted.peak_bytes["device"] <= raw.peak_bytes["device"] * (1 + 1e-6)
+
+
+def test_explanation_says_where_the_device_peak_is(make_llama, make_hw):
+    # a wide vocabulary and many tokens: the loss (the head's fp32 log-softmax gradients) sets the
+    # peak, and the explanation says so with its size; a tiny vocabulary: a layer does
+    from lazytrain.costmodel import job_costs
+    from lazytrain.plan.ops import head_peak_bytes
+
+    h = make_hw(device_memory_gib=64.0)
+    job = JobSpec(batch_size=4, seq_len=512)
+    wide = make_llama(layers=2, hidden=256, inter=704, vocab=65536)
+    line = plan_job(wide, h, job, cache_dir=None).explanation[-1]
+    assert ", at the loss: the head's own" in line and "2048 tokens x 65536 vocabulary" in line
+    own = float(re.search(r"head's own ([0-9.]+) GiB", line).group(1))
+    assert abs(own - head_peak_bytes(job_costs(wide, h, job)) / GiB) < 0.01
+    narrow = make_llama(layers=2, hidden=256, inter=704, vocab=64)
+    line = plan_job(narrow, h, job, cache_dir=None).explanation[-1]
+    assert "at the loss" not in line and re.search(r"at the (forward|backward) of (block\.\d|embed)", line)
