@@ -117,6 +117,15 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             # count_op_temporaries: the head's peak is the log-softmax backward's.
             bwd_tr = tokens * model.vocab_size * 8
             tail = act - tokens * model.vocab_size * (4 - cb)
+            if job.loss_chunk_tokens:
+                # models/chunked_loss.py: it saves a log-sum-exp per token, not the log-softmax;
+                # one chunk's logits exist at a time: a compute-dtype and an fp32 copy (forward;
+                # backward: the fp32 softmax, made in place, then the compute-dtype gradient and
+                # its fp32 upcast); when the matrix trains, its gradient is summed over chunks in fp32
+                V, Hd, c = model.vocab_size, model.hidden_size, min(job.loss_chunk_tokens, tokens)
+                act += tokens * 4 - tokens * V * 4
+                bwd_tr = c * V * (4 + cb) + (V * Hd * 4 if full else 0)
+                tail = act + (V * Hd * 4 if full else 0)
         else:
             bwd_tr = 0
         out.append(LayerCost(

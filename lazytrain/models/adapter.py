@@ -115,10 +115,23 @@ def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) ->
     return out[0] if isinstance(out, tuple) else out  # older transformers return tuples
 
 
-def head_loss(parts: DecoderParts, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Final norm + lm_head + the model's own causal-LM loss (mean over non-ignored tokens)."""
+def head_loss(parts: DecoderParts, hidden: torch.Tensor, labels: torch.Tensor,
+              chunk_tokens: int = 0) -> torch.Tensor:
+    """Final norm + lm_head + the model's own causal-LM loss (mean over non-ignored tokens); with
+    `chunk_tokens` > 0 the same loss over chunks of tokens (models/chunked_loss.py)."""
+    if chunk_tokens > 0:
+        from .chunked_loss import chunked_causal_lm_loss
+
+        return chunked_causal_lm_loss(parts.norm(hidden), parts.head, labels, chunk_tokens)
     logits = parts.head(parts.norm(hidden))
     return parts.lm.loss_function(logits=logits, labels=labels, vocab_size=parts.vocab_size)
+
+
+def check_chunked_loss(parts: DecoderParts) -> None:
+    """A chunked loss computes lm_head itself: it needs a plain linear head."""
+    if type(parts.head) is not nn.Linear:
+        raise ValueError(f"job.loss_chunk_tokens needs a plain nn.Linear lm_head; this model's is "
+                         f"{type(parts.head).__name__} (use job.loss_chunk_tokens=0)")
 
 
 @dataclass

@@ -254,9 +254,13 @@ def _peak_where(plan: Plan, costs: JobCosts) -> str:
     name = plan.layers[op.layer].name
     if op.kind == HEAD:
         tokens, vocab = costs.tokens_per_micro_batch, plan.model_config.get("vocab_size")
-        return (f", at the loss: the head's own {_gib(head_peak_bytes(costs))} (what it saves, and in its "
-                f"backward two fp32 gradients over {tokens} tokens x {vocab} vocabulary; fewer tokens "
-                f"per micro-batch shrink it)")
+        own = f", at the loss: the head's own {_gib(head_peak_bytes(costs))}"
+        chunk = plan.job.loss_chunk_tokens
+        if chunk:
+            return (own + f" (chunked: logits for {min(chunk, tokens)} of {tokens} tokens at a time"
+                    + (", and the fp32 sum of its weight gradient)" if costs.trains_base else ")"))
+        return own + (f" (what it saves, and in its backward two fp32 gradients over {tokens} tokens x "
+                      f"{vocab} vocabulary; job.loss_chunk_tokens or fewer tokens per micro-batch shrink it)")
     return f", at the {'forward' if op.kind == FWD else 'backward'} of {name}"
 
 

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, find_parts, head_loss, router_aux,
-                              router_aux_enabled, run_block, run_block_routed)
+from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss, find_parts, head_loss,
+                              router_aux, router_aux_enabled, run_block, run_block_routed)
 from ..plan.plan import Plan
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
 from ..storage.flat import FlatLayout, typed
@@ -145,6 +145,8 @@ class StreamingExecutor:
         if not self.cuda:
             keep_freed_memory()   # no page faults for the tensors every layer re-allocates (malloc.py)
         self.parts: DecoderParts = find_parts(model)
+        if plan.job.loss_chunk_tokens:
+            check_chunked_loss(self.parts)
         names = self.parts.layer_names()
         _check_plan(plan, names)
         self.names = names
@@ -394,7 +396,7 @@ class StreamingExecutor:
             return self.parts.embed(mb["ids"])
         ra: RouterAux | None = mb["router"]
         if i == self.n_layers - 1:
-            loss = head_loss(self.parts, x, mb["labels"])
+            loss = head_loss(self.parts, x, mb["labels"], self.plan.job.loss_chunk_tokens)
             if ra is not None:
                 # the model's own: loss += coef * load_balancing_loss_func(all router logits, E, k,
                 # attention_mask); the executor has no attention mask (as model(ids, labels=...))

@@ -25,12 +25,18 @@ class JobSpec:
     optimizer_state_bits: int = 32      # 32 or 8
     clip_grad: bool = False             # gradient clipping: updates wait for the global norm, i.e.
                                         # run after the whole backward, overlapping the next forward
+    loss_chunk_tokens: int = 0          # > 0: the loss runs over chunks of this many tokens, each
+                                        # chunk's logits recomputed in backward (models/chunked_loss.py):
+                                        # ~chunk x vocab bytes instead of 12 x tokens x vocab; 0: the
+                                        # model's own loss
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "lora"):
             raise ValueError(f"job.mode must be 'full' or 'lora', got {self.mode!r}")
         if self.optimizer_state_bits not in (8, 32):
             raise ValueError(f"job.optimizer_state_bits must be 8 or 32, got {self.optimizer_state_bits}")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"job.loss_chunk_tokens must be >= 0 (0: off), got {self.loss_chunk_tokens}")
         for k in ("batch_size", "seq_len", "grad_accum"):
             if getattr(self, k) < 1:
                 raise ValueError(f"job.{k} must be >= 1, got {getattr(self, k)}")

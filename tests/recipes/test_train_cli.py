@@ -346,3 +346,16 @@ def test_count_op_temporaries_option(base_overrides, tmp_path, capsys):
         recs[flag] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in recs["true"]] == [r["loss"] for r in recs["false"]]
     assert all(a["device_peak_bytes"] > b["device_peak_bytes"] for a, b in zip(recs["true"], recs["false"]))
+
+
+def test_chunked_loss_job(base_overrides, tmp_path, capsys):
+    # job.loss_chunk_tokens reaches the planner (the plan's job) and the executor: same first loss
+    recs = {}
+    for chunk in (0, 16):
+        out = tmp_path / str(chunk)
+        rc, io = _main([*base_overrides, "engine=lazytrain", "job.max_steps=2", f"output_dir={out}",
+                        f"job.loss_chunk_tokens={chunk}"], capsys)
+        assert rc == 0, io.err
+        assert json.loads((out / "plan.json").read_text())["job"]["loss_chunk_tokens"] == chunk
+        recs[chunk] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs[16][0]["loss"] == pytest.approx(recs[0][0]["loss"], rel=1e-5)
