@@ -38,8 +38,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             logits = F.linear(h[s:e], weight, bias).float()
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[s:e, None]).squeeze(1)
+            # log-sum-exp in place (torch.logsumexp would hold another fp32 chunk as scratch)
+            m = logits.amax(dim=-1, keepdim=True)
+            lse[s:e] = logits.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(1))
             total += ((lse[s:e] - picked) * valid[s:e]).sum()
             del logits
         ctx.save_for_backward(h, weight, bias if bias is not None else torch.empty(0, device=h.device),
@@ -54,7 +56,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk, n = ctx.chunk, h.shape[0]
         valid = targets != IGNORE_INDEX
         safe = targets.clamp(min=0)
-        scale = (grad.float() / count).to(torch.float32)
+        # (no target at all: the loss is NaN, as HF's, but the gradients are zero, as HF's are)
+        scale = grad.float() / count.clamp(min=1)
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -86,5 +89,5 @@ def chunked_causal_lm_loss(h: torch.Tensor, lm_head: torch.nn.Linear, labels: to
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat = h.reshape(-1, h.shape[-1])
-    return _ChunkedLinearCrossEntropy.apply(flat, lm_head.weight, lm_head.bias, shifted_targets(labels),
-                                            int(chunk_tokens))
+    return _ChunkedLinearCrossEntropy.apply(flat, lm_head.weight, lm_head.bias,
+                                            shifted_targets(labels.to(h.device)), int(chunk_tokens))

@@ -47,3 +47,16 @@ def test_bias_gradient_and_all_ignored_rows():
         assert _rel(a, b) < 1e-5
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunked_causal_lm_loss(h, head, labels, 0)
+
+
+def test_no_target_at_all_gives_nan_loss_and_zero_gradients_as_hf():
+    # (a review finding: the gradients were NaN, which turned every weight NaN in a step whose
+    # other micro-batches had targets)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    h = torch.randn(2, 5, 16, requires_grad=True)
+    labels = torch.full((2, 5), -100)
+    out = chunked_causal_lm_loss(h, head, labels, 3)
+    gh, gw = torch.autograd.grad(out, [h, head.weight])
+    assert torch.isnan(out)
+    assert torch.equal(gh, torch.zeros_like(gh)) and torch.equal(gw, torch.zeros_like(gw))
