@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, nvme_dir: str) -> None:
     plan = bvd.make_plan(a, 1, "nvme")
     spec = ModelSpec.from_hf_config(bvd.model_config(a), name="bench-llama")
     job = JobSpec(batch_size=1, seq_len=a.seq, mode="full", compute_dtype="bf16", clip_grad=True)
-    measured = bs.measured_hardware(hardware_spec(load_config(["hardware=cpu"])), spec, job, a, nvme_dir)
+    measured = bs.measured_hardware(hardware_spec(load_config(["hardware=cpu"])), spec, job, nvme_dir)
     print(f"measured: NVMe read {measured.nvme_read_gbps:.2f} / write {measured.nvme_write_gbps:.2f} GB/s, "
           f"matmul {measured.device_tflops * 1e3:.0f} GFLOP/s x {measured.efficiency:.2f}", flush=True)
     pred = {}

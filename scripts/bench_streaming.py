@@ -322,21 +322,13 @@ def section_b(args, model, nvme_dir) -> list[tuple]:
 
 
 # ---- (c) predicted vs measured -----------------------------------------------------------------
-def measured_hardware(base, spec, job, args, nvme_dir):
-    """`base` with this machine's measured figures (what `lazytrain profile` writes): copy and
-    O_DIRECT rates, the bf16 matmul peak, the efficiency of this model's blocks and the rate of
-    `job`'s host update."""
-    from lazytrain.profile.hardware import measured_spec
-    from lazytrain.profile.layers import measure_layers
-    from lazytrain.profile.links import measure_copies, measure_disk, measure_host_optimizer, measure_matmul_tflops
+def measured_hardware(base, spec, job, nvme_dir):
+    """`base` with this machine's measured figures, as `lazytrain profile` measures and writes them
+    (lazytrain.profile.hardware.profile_machine) for `job` on `spec`: copy and O_DIRECT rates, the
+    matmul peak, the efficiency of this model's blocks and the rate of the job's host update."""
+    from lazytrain.profile.hardware import profile_machine
 
-    cpu = torch.device("cpu")
-    copies = measure_copies(128 * 2**20, 3, cpu)
-    disk = measure_disk(nvme_dir, 128 * 2**20, repeats=2)
-    peak = measure_matmul_tflops(torch.bfloat16, cpu)
-    layers = measure_layers(spec, args.batch, args.seq, "bf16", cpu, repeats=3)
-    opt_gbps = measure_host_optimizer(job, repeats=3)
-    return measured_spec(base, copies, disk, peak, layers, opt_gbps)
+    return profile_machine(base, spec, job, torch.device("cpu"), nvme_dir, 128 * 2**20, repeats=4)[0]
 
 
 def section_c(args, model, nvme_dir) -> list[tuple]:
@@ -354,7 +346,7 @@ def section_c(args, model, nvme_dir) -> list[tuple]:
     static = HardwareSpec.from_dict(hw_dict)
     job = JobSpec(batch_size=args.batch, seq_len=args.seq, compute_dtype="bf16")
     spec = ModelSpec.from_hf_config(model_config(args), name="bench-llama")
-    measured = measured_hardware(static, spec, job, args, nvme_dir)
+    measured = measured_hardware(static, spec, job, nvme_dir)
     print(f"(c) measured profile: matmul {measured.device_tflops * 1e3:.0f} GFLOP/s x efficiency "
           f"{measured.efficiency:.2f}, copies {measured.h2d_gbps:.1f} GB/s, NVMe read "
           f"{measured.nvme_read_gbps:.2f} / write {measured.nvme_write_gbps:.2f} GB/s, host update "

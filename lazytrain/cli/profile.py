@@ -43,41 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from ..profile.hardware import details_dict, measured_spec, write_profile
-    from ..profile.layers import DTYPES, measure_layers
-    from ..profile.links import measure_copies, measure_disk, measure_host_optimizer, measure_matmul_tflops
+    from ..profile.hardware import profile_machine, write_profile
 
-    size = args.size_mib * MiB
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = str(cfg.job.compute_dtype)
     print(f"profiling {device} (base hardware {base.name}, model {mspec.name}) ...", flush=True)
-    copies = measure_copies(size, args.repeats, device)
-    print(f"  host->device {copies.h2d_pageable_gbps:.1f} GB/s pageable"
-          + (f", {copies.h2d_pinned_gbps:.1f} pinned" if copies.h2d_pinned_gbps else " (no pinned memory without CUDA)")
-          + f";  device->host {copies.d2h_pageable_gbps:.1f} pageable"
-          + (f", {copies.d2h_pinned_gbps:.1f} pinned" if copies.d2h_pinned_gbps else ""), flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as d:
-        disk = measure_disk(args.nvme_dir or d, size, repeats=max(1, args.repeats // 2))
-    duplex = ("not measured (no O_DIRECT): nvme_full_duplex kept from the base profile"
-              if disk.duplex_overlap is None else f"{disk.duplex_overlap:.0%} of the possible overlap "
-              f"({'full' if disk.duplex_overlap >= 0.5 else 'half'}-duplex)")
-    print(f"  NVMe ({disk.reason}) read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s; "
-          f"read while writing: {duplex}", flush=True)
-    peak = measure_matmul_tflops(DTYPES[dtype], device)   # the dtype the layers are timed in
-    print(f"  matmul peak {peak * 1e3:.0f} GFLOP/s ({dtype})", flush=True)
-    layers = None
-    if not args.no_layers:
-        layers = measure_layers(mspec, int(cfg.job.batch_size), int(cfg.job.seq_len), dtype, device,
-                                repeats=args.repeats)
-        for lt in (layers[0], layers[1], layers[-1]):
-            print(f"  {lt.name:<8} fwd {lt.fwd_s * 1e3:8.2f} ms  bwd {lt.bwd_s * 1e3:8.2f} ms", flush=True)
-    opt_gbps = measure_host_optimizer(job, repeats=max(2, args.repeats))
-    print(f"  host optimizer update ({job.optimizer_state_bits}-bit states) "
-          f"{opt_gbps:.1f} GB/s of optimizer traffic", flush=True)
-    spec = measured_spec(base, copies, disk, peak, layers, opt_gbps)
+        spec, details = profile_machine(base, mspec, job, device, args.nvme_dir or d, args.size_mib * MiB,
+                                        args.repeats, with_layers=not args.no_layers,
+                                        log=lambda line: print(line, flush=True))
     out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
-    write_profile(spec, out, details_dict(copies, disk, peak, layers, mspec.name,
-                                          int(cfg.job.batch_size), int(cfg.job.seq_len), dtype, opt_gbps,
-                                          job.optimizer_state_bits))
+    write_profile(spec, out, details)
     print(f"wrote {out} (efficiency {spec.efficiency:.2f}); plan with hardware=measured")
     return 0

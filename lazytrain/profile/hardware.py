@@ -85,3 +85,42 @@ def details_dict(copies: CopyRates, disk: DiskRates | None, peak_tflops: float,
         "layers": [asdict(lt) for lt in layers or []],
         "achieved_block_tflops": achieved_tflops(layers) if layers else None,
     }
+
+
+def profile_machine(base: HardwareSpec, model, job, device, nvme_dir: str, size: int, repeats: int,
+                    with_layers: bool = True, log=None) -> tuple[HardwareSpec, dict[str, Any]]:
+    """Measure this machine as `lazytrain profile` does: host<->device copies, NVMe O_DIRECT reads
+    and writes in `nvme_dir`, the matmul peak in the job's compute dtype, `model`'s per-layer
+    forward/backward time (unless `with_layers` is False) and the host update of the job's
+    optimizer. Returns `base` with the measured fields and the raw figures (`details_dict`);
+    `log(line)` gets one line per measurement."""
+    from .layers import DTYPES, measure_layers
+    from .links import measure_copies, measure_disk, measure_host_optimizer, measure_matmul_tflops
+
+    say = log or (lambda line: None)
+    dtype = job.compute_dtype
+    copies = measure_copies(size, repeats, device)
+    say(f"  host->device {copies.h2d_pageable_gbps:.1f} GB/s pageable"
+        + (f", {copies.h2d_pinned_gbps:.1f} pinned" if copies.h2d_pinned_gbps else " (no pinned memory without CUDA)")
+        + f";  device->host {copies.d2h_pageable_gbps:.1f} pageable"
+        + (f", {copies.d2h_pinned_gbps:.1f} pinned" if copies.d2h_pinned_gbps else ""))
+    disk = measure_disk(nvme_dir, size, repeats=max(1, repeats // 2))
+    duplex = ("not measured (no O_DIRECT): nvme_full_duplex kept from the base profile"
+              if disk.duplex_overlap is None else f"{disk.duplex_overlap:.0%} of the possible overlap "
+              f"({'full' if disk.duplex_overlap >= 0.5 else 'half'}-duplex)")
+    say(f"  NVMe ({disk.reason}) read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s; "
+        f"read while writing: {duplex}")
+    peak = measure_matmul_tflops(DTYPES[dtype], device)   # the dtype the layers are timed in
+    say(f"  matmul peak {peak * 1e3:.0f} GFLOP/s ({dtype})")
+    layers = None
+    if with_layers:
+        layers = measure_layers(model, job.batch_size, job.seq_len, dtype, device, repeats=repeats)
+        for lt in (layers[0], layers[1], layers[-1]):
+            say(f"  {lt.name:<8} fwd {lt.fwd_s * 1e3:8.2f} ms  bwd {lt.bwd_s * 1e3:8.2f} ms")
+    opt_gbps = measure_host_optimizer(job, repeats=max(2, repeats))
+    say(f"  host optimizer update ({job.optimizer_state_bits}-bit states) {opt_gbps:.1f} GB/s of "
+        f"optimizer traffic")
+    spec = measured_spec(base, copies, disk, peak, layers, opt_gbps)
+    details = details_dict(copies, disk, peak, layers, model.name, job.batch_size, job.seq_len, dtype,
+                           opt_gbps, job.optimizer_state_bits)
+    return spec, details
