@@ -205,7 +205,8 @@ class OpTemporaries(TorchDispatchMode):
             if not st.data_ptr() or id(st) in self.live:
                 continue
             if inputs is None:
-                inputs = {id(a) for a in self._storages(args, kwargs)}
+                inputs = {id(a) for a, _ in mutated} if mutated is not None else \
+                    {id(a) for a in self._storages(args, kwargs)}
             if id(st) not in inputs:
                 self._track(st, st.nbytes())
         for st, before in mutated or ():
