@@ -257,12 +257,17 @@ void block_avx512(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv,
 // (low and high byte of the bf16) with 2-source byte permutes, and quantising needs only the top
 // 16 bits of the float: the rounding bias and shift of every binade are multiples of 2**16
 // (shift >= 17), so (mag + half) >> shift == (mag16 + half16) >> (shift - 16) exactly, done on
-// 32 16-bit lanes per instruction. Same results as quant()/code[] above, bit for bit.
+// 32 16-bit lanes per instruction (see quant64). Same results as quant()/code[] above, bit for bit.
+
+// quant64 carries codes offset by kOff (a multiple of 256, so the low byte is the code): its
+// rounding add is one unsigned average with a non-negative per-binade table entry.
+constexpr int32_t kOff = 0x2000;
 
 struct BMap {
   __m512i lo[4], hi[4];          // byte planes of the bf16 code values, 64 entries per register
-  __m512i shift, half, bias;     // 16-bit per-binade tables (32 entries)
-  __m512i exp_lo, top, min_code; // 16-bit broadcasts
+  __m512i s1, avg;               // 16-bit per-binade tables (32 entries): shift - 17, 2 * (bias + kOff)
+  __m512i exp_lo;                // 16-bit broadcasts
+  __m512i lo_clamp, hi_clamp;    // min_code + kOff, top + kOff
   bool is_signed;
   explicit BMap(const Map& q) {
     alignas(64) uint8_t lo_b[256], hi_b[256];
@@ -277,21 +282,20 @@ struct BMap {
       lo[j] = _mm512_loadu_si512(lo_b + 64 * j);
       hi[j] = _mm512_loadu_si512(hi_b + 64 * j);
     }
-    alignas(64) int16_t sh[32], ha[32], bi[32];
+    alignas(64) uint16_t s1_t[32], avg_t[32];
     for (int t = 0; t < kTable; ++t) {
       TORCH_CHECK(q.shift[t] >= 17 && q.shift[t] <= 23 && q.half[t] == (1 << (q.shift[t] - 1)),
                   "exponent map entry ", t, " keeps more than 6 mantissa bits");
-      TORCH_CHECK(q.bias[t] >= -32768 && q.bias[t] <= 32767, "exponent map bias out of int16 range");
-      sh[t] = static_cast<int16_t>(q.shift[t] - 16);
-      ha[t] = static_cast<int16_t>(q.half[t] >> 16);
-      bi[t] = static_cast<int16_t>(q.bias[t]);
+      const int32_t a = 2 * (q.bias[t] + kOff);
+      TORCH_CHECK(a >= 0 && a <= 65535, "exponent map bias ", q.bias[t], " out of the 16-bit kernel's range");
+      s1_t[t] = static_cast<uint16_t>(q.shift[t] - 17);   // (shift - 16) - 1
+      avg_t[t] = static_cast<uint16_t>(a);
     }
-    shift = _mm512_loadu_si512(sh);
-    half = _mm512_loadu_si512(ha);
-    bias = _mm512_loadu_si512(bi);
+    s1 = _mm512_loadu_si512(s1_t);
+    avg = _mm512_loadu_si512(avg_t);
     exp_lo = _mm512_set1_epi16(static_cast<int16_t>(q.exp_lo));
-    top = _mm512_set1_epi16(static_cast<int16_t>(q.top));
-    min_code = _mm512_set1_epi16(static_cast<int16_t>(q.min_code));
+    lo_clamp = _mm512_set1_epi16(static_cast<int16_t>(q.min_code + kOff));
+    hi_clamp = _mm512_set1_epi16(static_cast<int16_t>(q.top + kOff));
     is_signed = q.is_signed;
   }
 };
@@ -299,7 +303,7 @@ struct BMap {
 // Byte-permute indices: interleave (lo, hi) bytes into bf16 words ordered so that
 // unpack{lo,hi}_epi16(0, W) yields elements in natural order (see dequant64).
 struct Perm {
-  __m512i w0, w1, hi16;
+  __m512i w0, w1, hi16, pack;
   Perm() {
     alignas(64) uint8_t a[64], b[64];
     for (int lane = 0; lane < 4; ++lane)
@@ -316,6 +320,9 @@ struct Perm {
     alignas(64) int16_t h[32];
     for (int j = 0; j < 32; ++j) h[j] = static_cast<int16_t>(j < 16 ? 2 * j + 1 : 32 + 2 * (j - 16) + 1);
     hi16 = _mm512_loadu_si512(h);
+    alignas(64) uint8_t pk[64];
+    for (int j = 0; j < 64; ++j) pk[j] = static_cast<uint8_t>(2 * j);   // low bytes: 0..62 of a, 64..126 of b
+    pack = _mm512_loadu_si512(pk);
   }
 };
 
@@ -338,22 +345,28 @@ inline void dequant64(__m512i c, const BMap& q, const Perm& pm, __m512* out) {
   out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w1));
 }
 
-// 32 normalised floats (x0: elements 0..15, x1: 16..31) -> 32 code bytes.
-inline __m256i quant32(__m512 x0, __m512 x1, const BMap& q, const Perm& pm) {
-  const __m512i w = _mm512_permutex2var_epi16(_mm512_castps_si512(x0), pm.hi16, _mm512_castps_si512(x1));
-  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
-  // exponent field (0..255) - exp_lo, clamped to [0, 31]: a saturating subtract does the lower
-  // clamp (one instruction less per 32 elements; ~5% of the step)
-  __m512i t = _mm512_subs_epu16(_mm512_srli_epi16(mag, 7), q.exp_lo);
-  t = _mm512_min_epu16(t, _mm512_set1_epi16(kTable - 1));
-  const __m512i shift = _mm512_permutexvar_epi16(t, q.shift);
-  const __m512i half = _mm512_permutexvar_epi16(t, q.half);
-  const __m512i bias = _mm512_permutexvar_epi16(t, q.bias);
-  __m512i k = _mm512_add_epi16(_mm512_srlv_epi16(_mm512_add_epi16(mag, half), shift), bias);
-  k = _mm512_min_epi16(_mm512_max_epi16(k, q.min_code), q.top);
-  if (q.is_signed)
-    k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi16(w, 8), _mm512_set1_epi16(0x80)));
-  return _mm512_cvtepi16_epi8(k);
+// 64 normalised floats (x[0..3], 16 each, in order) -> 64 code bytes. On the top 16 bits (mag):
+// (mag + half) >> s + bias == ((mag >> (s - 1)) + 1) >> 1 + bias, and with A = 2 * (bias + kOff)
+// >= 0 that is avg_epu16(mag >> (s - 1), A) - kOff (avg: (a + b + 1) >> 1, exact in 17 bits).
+// The binade index t needs no upper clamp: a normalised value is at most 1 (+1 ulp), t <= 29;
+// inf/NaN (exponent field 255) give t = 156 (m) / 157 (v), whose low five bits (all vpermw reads)
+// select the top entry (28 / 29 = depth + 1), as the scalar clamp to 31 (a copy of it) does.
+inline __m512i quant64(const __m512* x, const BMap& q, const Perm& pm) {
+  __m512i r[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i w = _mm512_permutex2var_epi16(_mm512_castps_si512(x[2 * h]), pm.hi16,
+                                                _mm512_castps_si512(x[2 * h + 1]));
+    const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+    // exponent field - exp_lo; a saturating subtract is the lower clamp
+    const __m512i t = _mm512_subs_epu16(_mm512_srli_epi16(mag, 7), q.exp_lo);
+    __m512i k = _mm512_avg_epu16(_mm512_srlv_epi16(mag, _mm512_permutexvar_epi16(t, q.s1)),
+                                 _mm512_permutexvar_epi16(t, q.avg));
+    k = _mm512_min_epi16(_mm512_max_epi16(k, q.lo_clamp), q.hi_clamp);
+    if (q.is_signed)  // k | ((w >> 8) & 0x80): the sign into bit 7
+      k = _mm512_ternarylogic_epi32(k, _mm512_srli_epi16(w, 8), _mm512_set1_epi16(0x80), 0xF8);
+    r[h] = k;
+  }
+  return _mm512_permutex2var_epi8(r[0], pm.pack, r[1]);
 }
 
 template <typename G>
@@ -399,13 +412,14 @@ void block_vbmi(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv, f
   }
   const float amax_m = _mm512_reduce_max_ps(mx_m), amax_v = _mm512_reduce_max_ps(mx_v);
   const __m512 im = _mm512_set1_ps(inv_or_zero(amax_m)), iv = _mm512_set1_ps(inv_or_zero(amax_v));
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512 m0 = _mm512_mul_ps(_mm512_load_ps(mbuf + i), im);
-    const __m512 m1 = _mm512_mul_ps(_mm512_load_ps(mbuf + i + 16), im);
-    const __m512 v0 = _mm512_mul_ps(_mm512_load_ps(vbuf + i), iv);
-    const __m512 v1 = _mm512_mul_ps(_mm512_load_ps(vbuf + i + 16), iv);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qm + i), quant32(m0, m1, bm, pm));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qv + i), quant32(v0, v1, bv, pm));
+  for (int64_t i = 0; i < n; i += 64) {
+    __m512 xm[4], xv[4];
+    for (int j = 0; j < 4; ++j) {
+      xm[j] = _mm512_mul_ps(_mm512_load_ps(mbuf + i + 16 * j), im);
+      xv[j] = _mm512_mul_ps(_mm512_load_ps(vbuf + i + 16 * j), iv);
+    }
+    _mm512_storeu_si512(qm + i, quant64(xm, bm, pm));
+    _mm512_storeu_si512(qv + i, quant64(xv, bv, pm));
   }
   *am = amax_m;
   *av = amax_v;
