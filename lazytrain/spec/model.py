@@ -248,7 +248,14 @@ def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, i
             linears += [Linear("shared_expert.gate_proj", H, shared_inter),
                         Linear("shared_expert.up_proj", H, shared_inter),
                         Linear("shared_expert.down_proj", shared_inter, H)]
-        mlp_act_per_token = k * (4 * moe_inter + H) * 2 + 4 * E + (8 * shared_inter if shared_inter else 0)
+        # Per routed (token, expert) pair, whichever of HF's expert implementations runs (eager
+        # loop, grouped_mm; measured with saved-tensor hooks): the gathered input, gate/up output,
+        # silu output, their product (down_proj's input) and the expert's output (kept by the
+        # multiply with its routing weight), bf16, plus three int64 index vectors; per token the
+        # router's fp32 softmax and the top-k's indices, values and their sum. A shared expert:
+        # a dense MLP plus its output, kept by the multiply with its sigmoid gate.
+        mlp_act_per_token = (k * (4 * moe_inter + 2 * H) * 2 + 4 * E + 36 * k + 4
+                             + ((8 * shared_inter + 2 * H + 4) if shared_inter else 0))
     else:
         mlp = 3 * H * inter + (2 * inter + H) * mlp_bias
         params += mlp
@@ -261,6 +268,10 @@ def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, i
     saved = {
         # two RMSNorms, each: fp32 upcast input + normalised bf16 (weight multiply) + output
         "norms": 2 * (4 * H + 2 * H + 2 * H),
+        # Qwen3's per-head / OLMoE's whole-projection q_norm and k_norm: fp32 upcast input + bf16
+        # normalised values (the weight multiply's) + the fp32 rstd per head / per token
+        **({"qk_norm": 6 * (q_out + kv_out) + 4 * (nh + nkv)} if family in ("qwen3", "qwen3_moe") else
+           {"qk_norm": 6 * (q_out + kv_out) + 8} if family == "olmoe" else {}),
         # SDPA keeps q, k, v (after RoPE), output and logsumexp; o_proj keeps its contiguous input
         "attention": 2 * (q_out + 2 * kv_out + q_out) + 4 * nh + 2 * q_out,
         "mlp": mlp_act_per_token,

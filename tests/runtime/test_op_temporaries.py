@@ -368,3 +368,33 @@ def test_chunked_loss_needs_a_linear_head():
         StreamingExecutor(model, plan, device="cpu")
     with pytest.raises(ValueError, match="loss_chunk_tokens must be >= 0"):
         JobSpec(loss_chunk_tokens=-1)
+
+
+@pytest.mark.parametrize("family,over", [
+    ("qwen3_moe", dict(moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+                       head_dim=64)),
+    ("mixtral", dict(intermediate_size=128, num_local_experts=32, num_experts_per_tok=4)),
+], ids=["qwen3_moe", "mixtral"])
+def test_measured_peak_of_a_fine_grained_moe_is_within_the_plan(family, over):
+    # Fine-grained MoE blocks (32 experts, 4 per token; hidden 256): the planner's device peak
+    # must not be below what the executor measures with op temporaries. Before the MoE blocks'
+    # per-expert outputs and index vectors and Qwen3's q/k norms were in the model's saved bytes,
+    # the measured peak was 0.9% (Mixtral) and 3.9% (Qwen3-MoE) above the prediction here. It is
+    # now 5.6% (Mixtral) and 9.0% (Qwen3-MoE) below it (a block's backward is over-predicted; see
+    # the test above).
+    from lazytrain.costmodel import job_costs
+    from lazytrain.plan.simulate import memory_peaks
+    from lazytrain.plan.solve import assignment_of
+    from lazytrain.spec import JobSpec, ModelSpec
+
+    model = tiny_model(family, hidden_size=256, vocab_size=128, dtype="bfloat16", **over)
+    job = JobSpec(batch_size=2, seq_len=256, compute_dtype="bf16")
+    hw = hardware_for_tests()
+    plan = hand_plan(model.config.num_hidden_layers, job=job, hardware=hw)
+    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
+    predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
+    ex = StreamingExecutor(model, plan, device="cpu", count_op_temporaries=True)
+    batch = random_batches(1, seed=0, batch=2, seq=256, vocab=128)
+    measured = max(ex.train_step(batch).device_peak_bytes for _ in range(2))
+    ex.close()
+    assert 0.85 * predicted <= measured <= predicted, (measured, predicted)
