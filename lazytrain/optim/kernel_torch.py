@@ -50,7 +50,10 @@ def grad_coefs(clip: float, h: dict[str, float]) -> tuple[float, float]:
 
 
 def _inv_or_zero(absmax: torch.Tensor) -> torch.Tensor:
-    return torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    """1 / absmax per block; 0 for an all-zero block and where the reciprocal overflows (absmax a
+    denormal below 1 / FLT_MAX): inf would make the block's zeros NaN (0 * inf). As the C++ kernel."""
+    inv = 1.0 / absmax
+    return torch.where((absmax > 0) & torch.isfinite(inv), inv, torch.zeros_like(absmax))
 
 
 def _segment(

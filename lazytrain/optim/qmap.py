@@ -135,7 +135,8 @@ def quantize_blockwise(
     padded[:numel] = flat
     blocks = padded.view(nblocks, block_size)
     absmax = blocks.abs().amax(dim=1)
-    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    inv = 1.0 / absmax
+    inv = torch.where((absmax > 0) & torch.isfinite(inv), inv, torch.zeros_like(absmax))
     q = quantize_normalized(blocks * inv[:, None], emap)
     return q.reshape(-1)[:numel].clone(), absmax
 

@@ -316,6 +316,28 @@ def test_cpp_kernel_equals_pure_torch_kernel_bit_exactly(dtype, decades, wd):
     assert math.isclose(float(sq_c), float(sq_t), rel_tol=1e-5)
 
 
+def test_a_block_of_denormal_moments_quantises_to_zero_codes_in_every_kernel():
+    """A block whose new absmax is a denormal below 1 / FLT_MAX (all-zero gradients but one of
+    1e-38): 1 / absmax overflows, and inf * 0 made the block's zeros NaN, which the VBMI kernel
+    coded as the top code and the others as the smallest (a review finding). Now the block
+    quantises with a reciprocal of 0 in every kernel: m codes 0, v its smallest code, the same
+    bytes from the C++ and the pure-torch kernel."""
+    _cpp_or_skip()
+    states = {}
+    for backend in ("cpp", "torch"):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = AdamW8bit([p], lr=1e-3, backend=backend)
+        g = torch.zeros(4096)
+        g[5] = 1e-38
+        p.grad = g
+        opt.step()
+        states[backend] = opt.state[p]
+    for k in ("qm", "qv", "absmax_m", "absmax_v"):
+        assert torch.equal(states["cpp"][k], states["torch"][k]), k
+    assert int(states["cpp"]["qm"][:256].max()) == 0
+    assert int(states["cpp"]["qv"][:256].max()) == 1
+
+
 def _assert_same_update(opt_a, params_a, opt_b, params_b, max_code_mismatch):
     for pa, pb in zip(params_a, params_b):
         torch.testing.assert_close(pa.detach().cpu(), pb.detach().cpu(), rtol=1e-5, atol=1e-6)

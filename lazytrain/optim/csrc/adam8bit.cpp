@@ -82,7 +82,14 @@ inline uint8_t quant(float x, const Map& q) {
   return static_cast<uint8_t>(k);
 }
 
-inline float inv_or_zero(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+// 1 / absmax, or 0 for an all-zero block and for one whose absmax is so small (a denormal below
+// 1 / FLT_MAX) that the reciprocal overflows: inf would turn its zeros into NaN (0 * inf) and their
+// codes into whatever each kernel makes of a NaN. Same rule in kernel_torch._inv_or_zero.
+inline float inv_or_zero(float absmax) {
+  if (!(absmax > 0.0f)) return 0.0f;
+  const float r = 1.0f / absmax;
+  return std::isinf(r) ? 0.0f : r;
+}
 
 // One block, scalar. w: fp32 weights (master or the param itself); pbf: bf16 param or null.
 template <typename G>
@@ -287,7 +294,7 @@ struct BMap {
       TORCH_CHECK(q.shift[t] >= 17 && q.shift[t] <= 23 && q.half[t] == (1 << (q.shift[t] - 1)),
                   "exponent map entry ", t, " keeps more than 6 mantissa bits");
       const int32_t a = 2 * (q.bias[t] + kOff);
-      TORCH_CHECK(a >= 0 && a <= 65535, "exponent map bias ", q.bias[t], " out of the 16-bit kernel's range");
+      TORCH_CHECK(a >= 0 && a <= 32767, "exponent map bias ", q.bias[t], " out of the 16-bit kernel's range");
       s1_t[t] = static_cast<uint16_t>(q.shift[t] - 17);   // (shift - 16) - 1
       avg_t[t] = static_cast<uint16_t>(a);
     }
@@ -347,18 +354,20 @@ inline void dequant64(__m512i c, const BMap& q, const Perm& pm, __m512* out) {
 
 // 64 normalised floats (x[0..3], 16 each, in order) -> 64 code bytes. On the top 16 bits (mag):
 // (mag + half) >> s + bias == ((mag >> (s - 1)) + 1) >> 1 + bias, and with A = 2 * (bias + kOff)
-// >= 0 that is avg_epu16(mag >> (s - 1), A) - kOff (avg: (a + b + 1) >> 1, exact in 17 bits).
-// The binade index t needs no upper clamp: a normalised value is at most 1 (+1 ulp), t <= 29;
-// inf/NaN (exponent field 255) give t = 156 (m) / 157 (v), whose low five bits (all vpermw reads)
-// select the top entry (28 / 29 = depth + 1), as the scalar clamp to 31 (a copy of it) does.
+// in [0, 32767] that is avg_epu16(mag >> (s - 1), A) - kOff (avg: (a + b + 1) >> 1, exact in 17
+// bits, at most 32767: the signed clamps below see it right). The binade index keeps its upper
+// clamp: a finite normalised value is at most 1 (+1 ulp) only when the block's absmax really is its
+// largest magnitude, and a NaN in the block can drop out of the running max (max_ps returns its
+// second operand), leaving larger values to normalise above 1.
 inline __m512i quant64(const __m512* x, const BMap& q, const Perm& pm) {
   __m512i r[2];
   for (int h = 0; h < 2; ++h) {
     const __m512i w = _mm512_permutex2var_epi16(_mm512_castps_si512(x[2 * h]), pm.hi16,
                                                 _mm512_castps_si512(x[2 * h + 1]));
     const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
-    // exponent field - exp_lo; a saturating subtract is the lower clamp
-    const __m512i t = _mm512_subs_epu16(_mm512_srli_epi16(mag, 7), q.exp_lo);
+    // exponent field - exp_lo, in [0, 31]: a saturating subtract is the lower clamp
+    const __m512i t = _mm512_min_epu16(_mm512_subs_epu16(_mm512_srli_epi16(mag, 7), q.exp_lo),
+                                       _mm512_set1_epi16(kTable - 1));
     __m512i k = _mm512_avg_epu16(_mm512_srlv_epi16(mag, _mm512_permutexvar_epi16(t, q.s1)),
                                  _mm512_permutexvar_epi16(t, q.avg));
     k = _mm512_min_epi16(_mm512_max_epi16(k, q.lo_clamp), q.hi_clamp);
