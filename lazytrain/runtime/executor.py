@@ -20,6 +20,7 @@ logits in the recompute pass. The logits stay on the device (counted as "router_
 from __future__ import annotations
 
 import shutil
+import warnings
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -105,6 +106,32 @@ def _to_pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 
 PUBLISH_IN_FLIGHT = 2   # NVMe-tier weight writes queued behind their updates at once
+
+
+def _check_experts_implementation(model: nn.Module, plan: Plan) -> None:
+    """Warn when an MoE model runs another HF experts implementation than the plan's memory model
+    counted (its saved bytes per routed pair differ: `spec.model.experts_implementation`)."""
+    from ..spec.model import experts_implementation
+
+    cfg = getattr(model, "config", None)
+    running = getattr(cfg, "_experts_implementation", None)
+    if running is None or not _get_experts(cfg):
+        return
+    planned = experts_implementation(plan.model_config)
+    if running != planned:
+        warnings.warn(
+            f"the model runs HF's {running!r} experts implementation but the plan's memory model "
+            f"counted {planned!r} (which saves different bytes per routed token); re-plan with "
+            f"model_config['_experts_implementation'] = {running!r}, or load the model with "
+            f"experts_implementation={planned!r}", stacklevel=3)
+
+
+def _get_experts(cfg: object) -> int:
+    for name in ("num_experts", "num_local_experts"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0
 
 
 class StreamingExecutor:
@@ -194,6 +221,7 @@ class StreamingExecutor:
         self._router: RouterAux | None = None
         if router_aux_enabled(self.parts):
             self._router = router_aux(self.parts)
+        _check_experts_implementation(model, plan)
 
         self._build_layers()
         self.use_seq = use_sequence(self.n_layers, plan.segments())

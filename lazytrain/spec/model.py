@@ -211,6 +211,13 @@ def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:
     return 0, 0, 0, 0
 
 
+def experts_implementation(cfg: Mapping[str, Any]) -> str:
+    """The HF experts implementation an MoE config runs with: a "_experts_implementation" (or
+    "experts_implementation") key when the caller put one in the config dict, else HF's default,
+    "grouped_mm" (which falls back to an equivalent autograd function where torch lacks it)."""
+    return str(_get(dict(cfg), "_experts_implementation", "experts_implementation", default="grouped_mm"))
+
+
 def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, inter: int) -> LayerSpec:
     q_out, kv_out = nh * hd, nkv * hd
     if family in ("qwen2", "qwen2_moe"):
@@ -256,6 +263,15 @@ def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, i
         # a dense MLP plus its output, kept by the multiply with its sigmoid gate.
         mlp_act_per_token = (k * (4 * moe_inter + 2 * H) * 2 + 4 * E + 36 * k + 4
                              + ((8 * shared_inter + 2 * H + 4) if shared_inter else 0))
+        # HF's experts implementation (`from_pretrained(..., experts_implementation=...)`; not in
+        # config.json: lazytrain builds models with the default, grouped_mm): the eager loop's
+        # index_add_ also keeps its source (the weighted expert output, per pair); batched_mm's
+        # bmm keeps every pair's gathered expert weights (gate_up and down).
+        impl = experts_implementation(cfg)
+        if impl == "eager":
+            mlp_act_per_token += k * 2 * H
+        elif impl == "batched_mm":
+            mlp_act_per_token += k * 3 * H * moe_inter * 2
     else:
         mlp = 3 * H * inter + (2 * inter + H) * mlp_bias
         params += mlp
