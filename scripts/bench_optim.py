@@ -5,7 +5,8 @@
 
 Every optimizer updates its own copy of the same fp32 parameters (Llama-like shapes: fused qkv,
 o, gate, up, down matrices and RMSNorm weights per layer) with the same gradients. Rounds are
-interleaved (one step of each variant per round) so machine-load drift hits all alike, and before
+interleaved (one step of each variant per round, each round starting one variant later) so
+machine-load drift and a variant's neighbours hit all alike, and before
 every timed step (untimed) each variant's gradients are restored to the originals; the table
 shows the median step time per variant, with clipping (``clip_grad_norm_`` before the step, or
 lazytrain's folded-in ``max_grad_norm``) and without. Peers: torch AdamW(fused=True), bitsandbytes
@@ -167,7 +168,9 @@ def main() -> None:
     variants = build_variants(shapes)
     live = [v for v in variants if v.step is not None]
     for r in range(args.rounds):
-        for v in live:
+        # each round starts one variant later: none always runs first, right after the slowest
+        # (the 8-bit peers allocate and free GBs per step) or always after the same neighbour
+        for v in live[r % len(live):] + live[:r % len(live)]:
             v.reset()
             t0 = time.perf_counter()
             v.step()
