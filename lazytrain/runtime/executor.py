@@ -20,8 +20,8 @@ logits in the recompute pass. The logits stay on the device (counted as "router_
 from __future__ import annotations
 
 import shutil
-import warnings
 import time
+import warnings
 from collections import deque
 from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor

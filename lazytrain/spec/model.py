@@ -255,8 +255,8 @@ def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, i
             linears += [Linear("shared_expert.gate_proj", H, shared_inter),
                         Linear("shared_expert.up_proj", H, shared_inter),
                         Linear("shared_expert.down_proj", shared_inter, H)]
-        # Per routed (token, expert) pair, whichever of HF's expert implementations runs (eager
-        # loop, grouped_mm; measured with saved-tensor hooks): the gathered input, gate/up output,
+        # Per routed (token, expert) pair with HF's default experts implementation (grouped_mm;
+        # measured with saved-tensor hooks): the gathered input, gate/up output,
         # silu output, their product (down_proj's input) and the expert's output (kept by the
         # multiply with its routing weight), bf16, plus three int64 index vectors; per token the
         # router's fp32 softmax and the top-k's indices, values and their sum. A shared expert:

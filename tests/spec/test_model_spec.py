@@ -92,6 +92,15 @@ def saved_storage_bytes(run, exclude) -> int:
     return sum(v for k, v in seen.items() if k not in skip)
 
 
+def block_saved_bytes(model, block, B: int = 2, S: int = 64) -> int:
+    """What one decoder block of `model` (hidden 256, bf16) saves for backward on a B x S input."""
+    x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(S)[None].expand(B, S)
+    pe = model.model.rotary_emb(x, pos)
+    return saved_storage_bytes(lambda: block(x, position_embeddings=pe, attention_mask=None, position_ids=pos),
+                               [*block.parameters(), *pe, x])
+
+
 # Realistic proportions for the saved-bytes check: hidden 256, 4 heads of 64; MoE blocks with 16
 # experts, 4 per token (fine-grained MoE, where the per-expert tensors dominate a block's bytes).
 SAVED_CHECK = {"llama": {}, "qwen2": {}, "mistral": {"head_dim": 64}, "qwen3": {"head_dim": 64},
@@ -115,15 +124,9 @@ def test_saved_activation_bytes_match_autograd(family):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     spec = ModelSpec.from_hf_config(config.to_dict())
-    B, S = 2, 64
     for i, block in enumerate(model.model.layers):
-        x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
-        pos = torch.arange(S)[None].expand(B, S)
-        pe = model.model.rotary_emb(x, pos)
-        measured = saved_storage_bytes(
-            lambda: block(x, position_embeddings=pe, attention_mask=None, position_ids=pos),
-            [*block.parameters(), *pe, x])
-        predicted = spec.layers[i + 1].saved_bytes(B * S)
+        measured = block_saved_bytes(model, block)
+        predicted = spec.layers[i + 1].saved_bytes(2 * 64)
         assert abs(predicted / measured - 1) < 0.10, (i, spec.layers[i + 1].num_experts, predicted, measured)
 
 
@@ -148,16 +151,9 @@ def test_saved_bytes_follow_the_experts_implementation(family, impl):
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=impl).to(torch.bfloat16)
     assert model.config._experts_implementation == impl
     spec = ModelSpec.from_hf_config({**config.to_dict(), "_experts_implementation": impl})
-    B, S = 2, 64
-    block = model.model.layers[0]
-    x = torch.randn(B, S, 256, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(S)[None].expand(B, S)
-    pe = model.model.rotary_emb(x, pos)
-    measured = saved_storage_bytes(
-        lambda: block(x, position_embeddings=pe, attention_mask=None, position_ids=pos),
-        [*block.parameters(), *pe, x])
+    measured = block_saved_bytes(model, model.model.layers[0])
     assert spec.layers[1].num_experts
-    predicted = spec.layers[1].saved_bytes(B * S)
+    predicted = spec.layers[1].saved_bytes(2 * 64)
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
 
 
