@@ -1,7 +1,7 @@
 """The planner's device peak against the executor's measured one, over model families, job kinds
 and plan families (CPU device, op temporaries counted: what autograd and the ops allocate too).
 
-    .venv/bin/python scripts/audit_memory_model.py                 # ~10 min on 2 cores
+    .venv/bin/python scripts/audit_memory_model.py                 # ~1 min on 2 cores
     .venv/bin/python scripts/audit_memory_model.py --cases qwen3-moe,llama --plans acts_host --seqs 256
 
 Each case is a small randomly initialised HF model (hidden 256, 3 blocks; MoE: 16-32 experts, top

@@ -176,6 +176,7 @@ class StreamingExecutor:
             check_chunked_loss(self.parts)
         names = self.parts.layer_names()
         _check_plan(plan, names)
+        _check_experts_implementation(model, plan)
         self.names = names
         self.n_layers = len(names)
         self.decisions = list(plan.layers)
@@ -221,7 +222,6 @@ class StreamingExecutor:
         self._router: RouterAux | None = None
         if router_aux_enabled(self.parts):
             self._router = router_aux(self.parts)
-        _check_experts_implementation(model, plan)
 
         self._build_layers()
         self.use_seq = use_sequence(self.n_layers, plan.segments())

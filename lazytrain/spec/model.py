@@ -146,7 +146,8 @@ def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
 def _build(cfg: dict, name: str | None) -> ModelSpec:
     # Some configs (multimodal wrappers) nest the LM under text_config.
     if "text_config" in cfg and "hidden_size" not in cfg:
-        cfg = {**cfg["text_config"]}
+        outer = {k: cfg[k] for k in ("_experts_implementation", "experts_implementation") if k in cfg}
+        cfg = {**outer, **cfg["text_config"]}
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
@@ -211,11 +212,21 @@ def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:
     return 0, 0, 0, 0
 
 
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+
+
 def experts_implementation(cfg: Mapping[str, Any]) -> str:
     """The HF experts implementation an MoE config runs with: a "_experts_implementation" (or
     "experts_implementation") key when the caller put one in the config dict, else HF's default,
-    "grouped_mm" (which falls back to an equivalent autograd function where torch lacks it)."""
-    return str(_get(dict(cfg), "_experts_implementation", "experts_implementation", default="grouped_mm"))
+    "grouped_mm" (which falls back to an equivalent autograd function where torch lacks it).
+    Raises ModelConfigError for one whose saved bytes the memory model does not know."""
+    impl = _get(dict(cfg), "_experts_implementation", "experts_implementation", default="grouped_mm")
+    if impl not in EXPERTS_IMPLEMENTATIONS:
+        raise ModelConfigError(
+            f"experts implementation {impl!r}: the planner's memory model knows "
+            f"{', '.join(EXPERTS_IMPLEMENTATIONS)} (what each saves for backward per routed token); "
+            f"plan with one of them")
+    return str(impl)
 
 
 def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, inter: int) -> LayerSpec:

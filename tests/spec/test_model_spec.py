@@ -174,3 +174,16 @@ def test_head_saved_bytes_match_autograd(vocab):
         [*model.parameters(), x])
     predicted = spec.layers[-1].saved_bytes(B * S)
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+
+
+def test_an_unknown_experts_implementation_is_refused_and_a_nested_one_is_kept():
+    cfg = {**BASE, **FAMILIES["mixtral"]}
+    with pytest.raises(ModelConfigError, match="experts implementation 'sonicmoe'.*grouped_mm, eager, batched_mm"):
+        ModelSpec.from_hf_config({**cfg, "_experts_implementation": "sonicmoe"})
+    ModelSpec.from_hf_config({**cfg, "_experts_implementation": "sonicmoe", "num_local_experts": 0,
+                              "model_type": "llama"})   # a dense model: not asked
+    # a multimodal wrapper's top-level key reaches its nested text config
+    nested = ModelSpec.from_hf_config({"_experts_implementation": "eager", "text_config": cfg})
+    assert nested.layers[1].saved_bytes(1) == ModelSpec.from_hf_config(
+        {**cfg, "_experts_implementation": "eager"}).layers[1].saved_bytes(1)
+    assert nested.layers[1].saved_bytes(1) > ModelSpec.from_hf_config(cfg).layers[1].saved_bytes(1)
