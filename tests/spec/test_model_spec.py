@@ -112,18 +112,23 @@ SAVED_CHECK = {"llama": {}, "qwen2": {}, "mistral": {"head_dim": 64}, "qwen3": {
                "olmoe": {"intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4}}
 
 
+def saved_check_model(family: str):
+    """A bf16 HF model of `family` at SAVED_CHECK's proportions (SDPA) and its ModelSpec."""
+    cfg = {**FAMILIES[family], "hidden_size": 256, "intermediate_size": 352, **SAVED_CHECK[family]}
+    config = transformers.AutoConfig.for_model(**{**BASE, **cfg})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    return model, ModelSpec.from_hf_config(config.to_dict())
+
+
 @pytest.mark.parametrize("family", sorted(SAVED_CHECK))
 def test_saved_activation_bytes_match_autograd(family):
     """The analytic bytes each block saves for backward are within 10% of what HF's block really
     saves (counted with saved-tensor hooks, distinct storages, bf16, SDPA), dense and MoE blocks
     alike. Before Qwen3's q/k norms and the MoE blocks' per-expert outputs and indices were
     counted, Qwen3 blocks were 17% and fine-grained MoE blocks 8-25% under the measured bytes."""
-    cfg = {**FAMILIES[family], "hidden_size": 256, "intermediate_size": 352, **SAVED_CHECK[family]}
-    config = transformers.AutoConfig.for_model(**{**BASE, **cfg})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    spec = ModelSpec.from_hf_config(config.to_dict())
+    model, spec = saved_check_model(family)
     for i, block in enumerate(model.model.layers):
         measured = block_saved_bytes(model, block)
         predicted = spec.layers[i + 1].saved_bytes(2 * 64)
@@ -204,12 +209,7 @@ def test_lora_blocks_save_what_the_cost_model_counts(family, targets):
     from lazytrain.costmodel.layers import lora_saved_delta_per_token
     from lazytrain.models.lora import apply_lora
 
-    cfg = {**FAMILIES[family], "hidden_size": 256, "intermediate_size": 352, **SAVED_CHECK[family]}
-    config = transformers.AutoConfig.for_model(**{**BASE, **cfg})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    spec = ModelSpec.from_hf_config(config.to_dict())
+    model, spec = saved_check_model(family)
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     targets = tuple(t for t in targets if t in names)
     base = apply_lora(model, 16, 32.0, targets).base_model.model
