@@ -24,14 +24,11 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lazytrain.costmodel import job_costs  # noqa: E402
 from lazytrain.models.lora import apply_lora  # noqa: E402
-from lazytrain.plan.simulate import memory_peaks  # noqa: E402
-from lazytrain.plan.solve import assignment_of  # noqa: E402
-from lazytrain.runtime import StreamingExecutor  # noqa: E402
 from lazytrain.runtime.testing import (hand_plan, hardware_for_tests, plan_families,  # noqa: E402
-                                       random_batches, tiny_model)
-from lazytrain.spec import JobSpec, ModelSpec  # noqa: E402
+                                       planned_device_peak, random_batches, steps_counting_op_temporaries,
+                                       tiny_model)
+from lazytrain.spec import JobSpec  # noqa: E402
 
 DENSE = dict(hidden_size=256, intermediate_size=704)
 QWEN3_MOE = dict(hidden_size=256, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4,
@@ -69,18 +66,15 @@ def measure(label: str, plan_name: str, seq: int) -> tuple[int, int]:
     job = JobSpec(**{"batch_size": 2, "seq_len": seq, "compute_dtype": "bf16", **job_kw})
     hw = hardware_for_tests()
     plan = hand_plan(blocks, job=job, hardware=hw, **plan_families(blocks)[plan_name])
-    spec = ModelSpec.from_hf_config(base.config.to_dict(), name=label)
-    predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
+    predicted = planned_device_peak(base, plan)
     model = copy.deepcopy(base)
     if lora:
         model = apply_lora(model, job.lora_rank, job.lora_alpha, job.lora_targets)
+    batches = random_batches(n_micro, seed=0, batch=2, seq=seq, vocab=VOCAB)
     with tempfile.TemporaryDirectory() as nvme_dir:
-        ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=nvme_dir, count_op_temporaries=True,
-                               max_grad_norm=1.0 if job.clip_grad else None)
-        batches = random_batches(n_micro, seed=0, batch=2, seq=seq, vocab=VOCAB)
-        measured = max(ex.train_step(batches).device_peak_bytes for _ in range(2))
-        ex.close()
-    return predicted, measured
+        res = steps_counting_op_temporaries(model, plan, batches, nvme_dir=nvme_dir,
+                                            max_grad_norm=1.0 if job.clip_grad else None)
+    return predicted, max(r.device_peak_bytes for r in res)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from torch import nn
 from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss, find_parts, head_loss,
                               router_aux, router_aux_enabled, run_block, run_block_routed)
 from ..plan.plan import Plan
+from ..spec.model import experts_implementation
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
 from ..storage.flat import FlatLayout, typed
 from ..costmodel import NVME_STATE_SETS
@@ -111,12 +112,10 @@ PUBLISH_IN_FLIGHT = 2   # NVMe-tier weight writes queued behind their updates at
 def _check_experts_implementation(model: nn.Module, plan: Plan) -> None:
     """Warn when an MoE model runs another HF experts implementation than the plan's memory model
     counted (its saved bytes per routed pair differ: `spec.model.experts_implementation`)."""
-    from ..spec.model import experts_implementation
-
     cfg = getattr(model, "config", None)
     running = getattr(cfg, "_experts_implementation", None)
-    if running is None or not _get_experts(cfg):
-        return
+    if running is None or not (getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)):
+        return   # not an MoE model (dense configs report an implementation too)
     planned = experts_implementation(plan.model_config)
     if running != planned:
         warnings.warn(
@@ -137,14 +136,6 @@ def _check_lora_on_experts(model: nn.Module) -> None:
             "the plan's memory model does not count what these blocks save for backward (several "
             "times more); target the attention projections only, or leave headroom in the budget",
             stacklevel=3)
-
-
-def _get_experts(cfg: object) -> int:
-    for name in ("num_experts", "num_local_experts"):
-        n = getattr(cfg, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return 0
 
 
 class StreamingExecutor:
@@ -205,8 +196,7 @@ class StreamingExecutor:
         # thing to the planner and to the accountant (on CUDA the allocator's figure covers it).
         if not self.cuda:
             self.acct.alloc(plan.hardware.workspace_bytes, "workspace")
-        self._count_ops = False
-        self.count_op_temporaries = count_op_temporaries
+        self.count_op_temporaries = count_op_temporaries   # sets _count_ops (CPU device only)
         # On CUDA the measured peak is the allocator's, less what other owners in this process
         # already held when the executor was made (a model kept for comparison, a data batch); the
         # model's own device tensors are the executor's from here on. The predicted figure it is

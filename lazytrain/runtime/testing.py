@@ -184,3 +184,28 @@ def reference_training(model, steps: int, lr: float, wd: float, max_norm: float 
         opt.zero_grad()
         losses.append(tot / len(mbs))
     return m, losses
+
+
+def planned_device_peak(model, plan: Plan) -> int:
+    """The planner's device peak for `plan` (a hand plan) on the HF model `model`: what
+    `plan.simulate.memory_peaks` gives and the MILP constrains."""
+    from ..costmodel import job_costs
+    from ..plan.simulate import memory_peaks
+    from ..plan.solve import assignment_of
+    from ..spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
+    costs = job_costs(spec, plan.hardware, plan.job)
+    return memory_peaks(costs, assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
+
+
+def steps_counting_op_temporaries(model, plan: Plan, batches, steps: int = 2, **executor_kw) -> list:
+    """`steps` training steps of `model` under `plan` on a CPU device with op temporaries counted
+    (their `device_peak_bytes` is what a device allocator's peak would see); the StepResults."""
+    from .executor import StreamingExecutor
+
+    ex = StreamingExecutor(model, plan, device="cpu", count_op_temporaries=True, **executor_kw)
+    try:
+        return [ex.train_step(batches) for _ in range(steps)]
+    finally:
+        ex.close()

@@ -4,11 +4,8 @@ import pytest
 import torch
 
 from lazytrain.models.chunked_loss import chunked_causal_lm_loss
+from lazytrain.runtime.testing import rel_err as _rel
 from lazytrain.runtime.testing import tiny_model
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 48, 1000])

@@ -9,7 +9,8 @@ import torch
 
 from lazytrain.runtime import DeviceBudgetExceeded, StreamingExecutor
 from lazytrain.runtime.accountant import OP_TEMPORARIES, MemoryAccountant
-from lazytrain.runtime.testing import hand_plan, hardware_for_tests, random_batches, tiny_model
+from lazytrain.runtime.testing import (hand_plan, hardware_for_tests, planned_device_peak, random_batches,
+                                       steps_counting_op_temporaries, tiny_model)
 
 CPU = torch.device("cpu")
 MB = 2**20
@@ -261,21 +262,15 @@ def test_measured_peak_matches_the_planners_head_model(vocab, dtype):
     # gradients + the weight gradient at once, was 5-7% off here); in fp32 within 5% (the
     # blocks' activation bytes are scaled from bf16 wholesale: -3.5% at vocab 2048; the head's
     # fp32 log-softmax, once scaled too, made it -19%).
-    from lazytrain.costmodel import job_costs
-    from lazytrain.plan.simulate import memory_peaks
-    from lazytrain.plan.solve import assignment_of
-    from lazytrain.spec import JobSpec, ModelSpec
+    from lazytrain.spec import JobSpec
 
     model = tiny_model("llama", vocab_size=vocab, dtype=dtype)
     job = JobSpec(batch_size=2, seq_len=32, compute_dtype={"bfloat16": "bf16", "float32": "fp32"}[dtype])
     hw = hardware_for_tests()
     plan = hand_plan(3, job=job, hardware=hw)
-    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
-    predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
-    ex = StreamingExecutor(model, plan, device="cpu", count_op_temporaries=True)
+    predicted = planned_device_peak(model, plan)
     batch = random_batches(1, seed=0, batch=2, seq=32, vocab=vocab)
-    measured = max(ex.train_step(batch).device_peak_bytes for _ in range(2))
-    ex.close()
+    measured = max(r.device_peak_bytes for r in steps_counting_op_temporaries(model, plan, batch))
     tol = 0.03 if dtype == "bfloat16" else 0.05
     assert abs(measured - predicted) <= tol * predicted, (measured, predicted)
 
@@ -288,22 +283,17 @@ def test_measured_peak_matches_when_a_block_backward_is_the_peak(hidden, seq, ov
     # gradients are in flight, not two (`JobCosts.grads_inline`; counting two was 17-20% over the
     # measured peak here); also with the accumulation on a thread (overlap_optimizer=True), where
     # the backward waits for them (+4.8% over the prediction before it did, a review finding).
-    from lazytrain.costmodel import job_costs
-    from lazytrain.plan.simulate import memory_peaks
-    from lazytrain.plan.solve import assignment_of
-    from lazytrain.spec import JobSpec, ModelSpec
+    from lazytrain.spec import JobSpec
 
     model = tiny_model("llama", hidden_size=hidden, intermediate_size=2 * hidden, vocab_size=128,
                        dtype="bfloat16")
     job = JobSpec(batch_size=1, seq_len=seq, compute_dtype="bf16")
     hw = hardware_for_tests()
     plan = hand_plan(3, job=job, hardware=hw)
-    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
-    predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
-    ex = StreamingExecutor(model, plan, device="cpu", count_op_temporaries=True, overlap_optimizer=overlap)
+    predicted = planned_device_peak(model, plan)
     batch = random_batches(1, seed=0, batch=1, seq=seq, vocab=128)
-    measured = max(ex.train_step(batch).device_peak_bytes for _ in range(2))
-    ex.close()
+    measured = max(r.device_peak_bytes for r in
+                   steps_counting_op_temporaries(model, plan, batch, overlap_optimizer=overlap))
     assert abs(measured - predicted) <= 0.03 * predicted, (measured, predicted)
 
 
@@ -325,24 +315,18 @@ def test_a_failed_gradient_accumulation_leaves_nothing_counted():
 def test_chunked_loss_peak_is_predicted_and_far_below_the_models_own(family, chunk):
     # job.loss_chunk_tokens: the head keeps one chunk's logits at a time. The planner's head term
     # for it matches the measured peak within 3%, and the peak is well below the unchunked one.
-    from lazytrain.costmodel import job_costs
-    from lazytrain.plan.simulate import memory_peaks
-    from lazytrain.plan.solve import assignment_of
-    from lazytrain.spec import JobSpec, ModelSpec
+    from lazytrain.spec import JobSpec
 
     vocab = 8192
     model = tiny_model(family, vocab_size=vocab, dtype="bfloat16")
-    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
     hw = hardware_for_tests()
     batch = random_batches(1, seed=0, batch=2, seq=32, vocab=vocab)
     peaks, losses = {}, {}
     for c in (0, chunk):
         job = JobSpec(batch_size=2, seq_len=32, compute_dtype="bf16", loss_chunk_tokens=c)
         plan = hand_plan(3, job=job, hardware=hw)
-        predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
-        ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", count_op_temporaries=True)
-        res = [ex.train_step(batch) for _ in range(2)]
-        ex.close()
+        predicted = planned_device_peak(model, plan)
+        res = steps_counting_op_temporaries(copy.deepcopy(model), plan, batch)
         peaks[c], losses[c] = res[-1].device_peak_bytes, [r.loss for r in res]
         assert abs(peaks[c] - predicted) <= 0.03 * predicted, (c, peaks[c], predicted)
     assert peaks[chunk] < 0.8 * peaks[0]
@@ -385,19 +369,13 @@ def test_measured_peak_of_a_fine_grained_moe_is_within_the_plan(family, over, pl
     # the test above). With activations offloaded to the host, the fused gate_up output of the
     # experts was copied (and fetched back) once per half: the peak was 4.9% above the plan's
     # (both); each storage now crosses once (ActivationStore): 0.7-1.0% below it.
-    from lazytrain.costmodel import job_costs
-    from lazytrain.plan.simulate import memory_peaks
-    from lazytrain.plan.solve import assignment_of
-    from lazytrain.spec import JobSpec, ModelSpec
+    from lazytrain.spec import JobSpec
 
     model = tiny_model(family, hidden_size=256, vocab_size=128, dtype="bfloat16", **over)
     job = JobSpec(batch_size=2, seq_len=256, compute_dtype="bf16")
     hw = hardware_for_tests()
     plan = hand_plan(model.config.num_hidden_layers, job=job, hardware=hw, **plan_kw)
-    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
-    predicted = memory_peaks(job_costs(spec, hw, job), assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
-    ex = StreamingExecutor(model, plan, device="cpu", count_op_temporaries=True)
+    predicted = planned_device_peak(model, plan)
     batch = random_batches(1, seed=0, batch=2, seq=256, vocab=128)
-    measured = max(ex.train_step(batch).device_peak_bytes for _ in range(2))
-    ex.close()
+    measured = max(r.device_peak_bytes for r in steps_counting_op_temporaries(model, plan, batch))
     assert 0.85 * predicted <= measured <= predicted, (measured, predicted)
