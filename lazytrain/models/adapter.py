@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -78,6 +78,34 @@ def find_parts(model: nn.Module) -> DecoderParts:
     tied = head.weight is embed.weight
     return DecoderParts(lm=lm, base=base, embed=embed, blocks=blocks, norm=others[0], head=head,
                         vocab_size=int(text_cfg.vocab_size), tied=tied)
+
+
+def embedding_backward_reads_weights(parts: DecoderParts, weights: Iterable[torch.Tensor] | None = None) -> bool:
+    """Whether the embedding's backward reads `weights` (default: all its parameters; the executor
+    asks about the streamed ones, not resident LoRA adapters). An `nn.Embedding`'s does not (its
+    gradient needs only the token ids and the output's gradient), so the streamer need not bring
+    them back for it; a wrapper or custom embedding might. Found out, not assumed: the embedding
+    runs once on one token with saved-tensor hooks, and any saved tensor sharing one of their
+    storages means yes (so does a failed probe)."""
+    embed = parts.embed
+    weights = list(embed.parameters()) if weights is None else list(weights)
+    ptrs = {p.untyped_storage().data_ptr() for p in weights if p.numel()}
+    if not ptrs:
+        return False
+    saved: list[bool] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.untyped_storage().data_ptr() in ptrs)
+        return t
+
+    try:
+        ids = torch.zeros(1, 1, dtype=torch.long, device=next(embed.parameters()).device)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            embed(ids)
+    except Exception:   # noqa: BLE001 - cannot tell: keep fetching the weights for the backward
+        return True
+    return any(saved)
 
 
 class _Captured(Exception):

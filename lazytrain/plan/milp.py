@@ -11,8 +11,10 @@ Variables
               A tied head's use streams its own weights and/or the embedding's matrix, each as its
               owner's tier says (`ops.weight_parts`): linear in p, no product needed.
 - D[b]        device bytes kept by segments ending at or before boundary b.
-- P           device peak; U[k] (last micro-batch) and W[k] (others) window lengths.
-Objective: (G-1) * sum W + sum U (= predicted step time) + a tiny tie-breaker on the device peak.
+- P           device peak; U[k] (last micro-batch) and W[k] (others; W1[k] too where the first of them
+              fetches what the later ones find held, ops.micro_batch_kinds) window lengths.
+Objective: sum U + (number of each kind) * sum W (= predicted step time) + a tiny tie-breaker on the
+device peak.
 Pinning (`pins`) fixes any subset of decisions, so the same model *evaluates* hand-written plans.
 """
 
@@ -31,9 +33,9 @@ import pulp
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grad_d2h_bytes,
-                  grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence, refetch_last_kept,
-                  update_window, weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
+                  grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, micro_batch_kinds,
+                  op_sequence, refetch_last_kept, update_window, weight_parts)
 
 
 
@@ -287,7 +289,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     prob += Npk <= costs.nvme_capacity_bytes / GiB, "nvme_capacity"
 
     # ---- windows --------------------------------------------------------------------------
-    def loads(final: bool) -> list[dict[str, object]]:
+    def loads(final: bool, after_held: bool) -> list[dict[str, object]]:
         # h2d_host: the part of h2d that is a copy on a CPU device (not what NVMe reads bring)
         res = [{r: 0 for r in ("compute", "h2d", "h2d_host", "d2h", "nvme_read", "nvme_write", "optimizer")}
                for _ in range(K)]
@@ -306,7 +308,9 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                 res[k]["h2d_host"] += n.param_bytes * whh if cpu else 0
                 if wn is not None:
                     res[k]["nvme_read"] += n.param_bytes * wn
-            elif not (k == K - 1 and held_into_next_cycle(final, full)):   # else still held (ops.py)
+            elif not (k == K - 1 and held_into_next_cycle(final, full)   # fetched before B_0 (ops.py)
+                      or nxt.kind == BWD and nxt.layer == 0 and not held_into_next_cycle(final, full)
+                      or k == 0 and first_block_held(after_held, depth)):
                 res[k]["h2d"] += fetched_bytes(nxt.layer)
                 res[k]["h2d_host"] += host_fetched_bytes(nxt.layer) if cpu else 0
                 res[k]["nvme_read"] += nvme_read_bytes(nxt.layer)
@@ -371,10 +375,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             ts.append(T)
         return ts
 
-    final_loads = loads(True)
-    U = window_vars("U", final_loads)
-    W = window_vars("W", loads(False)) if G > 1 else []
-    step_time = pulp.lpSum(U) + (G - 1) * pulp.lpSum(W)
+    # one set of window variables per kind of micro-batch (ops.micro_batch_kinds)
+    kinds = micro_batch_kinds(G, full)
+    final_loads = loads(True, next(h for f, h, _ in kinds if f))
+    step_time = pulp.lpSum(window_vars("U", final_loads))
+    for i, (_, held, n) in enumerate(k for k in kinds if not k[0]):
+        step_time += n * pulp.lpSum(window_vars("W" if i == 0 else f"W{i}", loads(False, held)))
     # Tie-breakers, scaled to the step so they never outweigh a real difference: among equally
     # fast plans prefer less link traffic and recompute (robust to bandwidth drift), then small peaks
     # (which also pins the max-variables at their true value).

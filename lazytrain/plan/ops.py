@@ -14,10 +14,12 @@ window prefetches the next step's first layer):
   a recomputed block that is not the last of its segment is fetched twice (recompute + backward);
   the executor's streamer still holds a layer used again soon, and three such cases are counted:
   where the weights did not change (between micro-batches; LoRA: across steps too) the
-  embedding's next forward follows its backward; with a prefetch depth >= 2 (a layer whose next
+  embedding's next forward is fetched in the window before its backward, which reads no weights
+  (`held_into_next_cycle`), else in the last window; with a prefetch depth >= 2 (a layer whose next
   use comes after one other use) the last block's backward (after the head; unless a longer
   recompute segment runs in between) and the backward of a segment's second-to-last block
-  (after the last block's recompute + backward). This is exact when every layer streams at depth
+  (after the last block's recompute + backward), and the first block's next forward after its
+  backward when the embedding's forward in between was fetched early (`micro_batch_kinds`). This is exact when every layer streams at depth
   2 and an upper bound otherwise: with device-resident layers in between, or at depth >= 3, the
   streamer holds layers longer and fetches less than charged here;
   a tied head's weights are its own (on its param tier) plus the embedding's matrix (on the
@@ -116,9 +118,33 @@ def ends_long_segment(num_blocks: int, s: int, e: int) -> bool:
 
 
 def held_into_next_cycle(final: bool, trains_base: bool) -> bool:
-    """The embedding used by the last op (B_0) is still held for the next micro-batch's F_0:
-    always, unless the step's update changes its weights (the final micro-batch, full training)."""
+    """Whether the next micro-batch's F_0 can be fetched before this one ends: always, unless the
+    step's update changes the embedding's weights (the final micro-batch, full training).
+
+    B_0 itself reads no weights (an embedding's gradient needs only the token ids and the
+    gradient of its output), so nothing is fetched for it. The window before B_0 (B_1's) fetches
+    the next F_0's weights when they are held into the next cycle; otherwise they are fetched after
+    the update, in the last window. Either way the embedding crosses once per micro-batch."""
     return not final or not trains_base
+
+
+def micro_batch_kinds(grad_accum: int, trains_base: bool) -> list[tuple[bool, bool, int]]:
+    """The kinds of micro-batch in a step, as (final, after_held, count). `after_held`: the micro-
+    batch before (for the first, the previous step's last) fetched this one's embedding early
+    (`held_into_next_cycle`), so its uses ended with the first block's backward and, at a prefetch
+    depth >= 2, the streamer still holds that block for this one's F_1 (one use, F_0, in between):
+    the window of F_0 then fetches nothing (`first_block_held`)."""
+    kinds: dict[tuple[bool, bool], int] = {}
+    for m in range(grad_accum):
+        key = (m == grad_accum - 1, m > 0 or held_into_next_cycle(True, trains_base))
+        kinds[key] = kinds.get(key, 0) + 1
+    return [(final, held, n) for (final, held), n in kinds.items()]
+
+
+def first_block_held(after_held: bool, depth: int) -> bool:
+    """Whether F_1's weights are still on the device from the micro-batch before (see
+    `micro_batch_kinds`)."""
+    return after_held and depth >= 2
 
 
 def update_window(num_blocks: int, j: int, k_backward: int, clip_grad: bool) -> int:

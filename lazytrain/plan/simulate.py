@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fwd_window, grad_d2h_bytes,
-                  grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence, refetch_last_kept,
-                  update_window, weight_parts)
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
+                  grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence,
+                  refetch_last_kept, update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -50,8 +50,9 @@ class Timeline:
 
 
 def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
-                  depth: int = 2) -> list[list[tuple[str, str, str, str, float]]]:
-    """Per window: (resource, kind, layer, what, amount) with amount in bytes or seconds."""
+                  depth: int = 2, after_held: bool = False) -> list[list[tuple[str, str, str, str, float]]]:
+    """Per window: (resource, kind, layer, what, amount) with amount in bytes or seconds.
+    `after_held`: see ops.micro_batch_kinds."""
     L = costs.num_blocks
     ops = op_sequence(L)
     K = len(ops)
@@ -84,9 +85,12 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         # owners' tiers (the embedding's matrix is fetched for it only when the embedding streams)
         nxt = ops[(k + 1) % K]
         times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
+        held = held_into_next_cycle(final, costs.trains_base)
         if ((reuse and nxt.kind == BWD and nxt.layer == L and not long_last)
-                or (k == K - 1 and held_into_next_cycle(final, costs.trains_base))):
-            times = 0   # still held by the streamer (ops.py)
+                or (k == K - 1 and held)               # fetched before B_0 (ops.py)
+                or (nxt.kind == BWD and nxt.layer == 0 and not held)     # B_0 reads no weights
+                or (k == 0 and first_block_held(after_held, depth))):
+            times = 0
         for owner, nbytes in weight_parts(costs, nxt.layer):
             tier = a.param_tier[owner]
             if tier == "device":
@@ -210,7 +214,8 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
-        windows = _window_items(costs, a, hw, final, depth)
+        after_held = m > 0 or held_into_next_cycle(True, costs.trains_base)   # (ops.micro_batch_kinds)
+        windows = _window_items(costs, a, hw, final, depth, after_held)
         for k, items in enumerate(windows):
             cursor: dict[str, float] = defaultdict(lambda: t)
             for res, kind, layer, what, amount in items:

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss, find_parts, head_loss,
+from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss,
+                              embedding_backward_reads_weights, find_parts, head_loss,
                               router_aux, router_aux_enabled, run_block, run_block_routed)
 from ..plan.plan import Plan
 from ..spec.model import experts_implementation
@@ -228,7 +229,9 @@ class StreamingExecutor:
             self._router = router_aux(self.parts)
 
         self._build_layers()
-        self.use_seq = use_sequence(self.n_layers, plan.segments())
+        # (probed before _init_storage moves the weights into the streamer's buffers)
+        self.embed_bwd_weights = embedding_backward_reads_weights(self.parts, self.layers[0].params)
+        self.use_seq = use_sequence(self.n_layers, plan.segments(), embed_backward=self.embed_bwd_weights)
         self.streamer = ParamStreamer(self.layers, self.device, plan.options.prefetch_depth,
                                       self.host, self.nvme, self.pool, self.acct, self.trace)
         self._init_storage()
@@ -693,7 +696,8 @@ class StreamingExecutor:
                 mb["recomputing"] = False
                 del hin
                 for j in range(i, a - 1, -1):
-                    self.streamer.use(j)
+                    if j > 0 or self.embed_bwd_weights:
+                        self.streamer.use(j)
                     xj, outj = seg_graphs.pop(j)
                     g = self._bwd(j, xj, outj, g, first, last, mb)
                     live = self._track_live(live, g)
@@ -707,7 +711,8 @@ class StreamingExecutor:
                     if not dec[j].recompute:
                         self.acts.prefetch(j)
                         k += 1
-                self.streamer.use(i)
+                if i > 0 or self.embed_bwd_weights:   # (use_sequence)
+                    self.streamer.use(i)
                 x, out = graphs.pop(i)
                 g = self._bwd(i, x, out, g, first, last, mb)
                 live = self._track_live(live, g)

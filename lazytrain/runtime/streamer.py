@@ -48,9 +48,11 @@ class StreamedLayer:
     borrows: tuple[int, ...] = ()       # other layers whose weights this one computes with (tied head)
 
 
-def use_sequence(n_layers: int, segments: list[tuple[int, int]]) -> list[int]:
+def use_sequence(n_layers: int, segments: list[tuple[int, int]], embed_backward: bool = False) -> list[int]:
     """Layer indices in the order their weights are used in one micro-batch: forward, then
-    backward in reverse where a recompute segment (a..b) re-runs a..b forward before b..a backward."""
+    backward in reverse where a recompute segment (a..b) re-runs a..b forward before b..a backward.
+    The embedding's backward (the last use) is left out unless `embed_backward`: an embedding's
+    gradient needs only the token ids and its output's gradient, not its weights."""
     seq = list(range(n_layers))
     seg_by_end = {b: a for a, b in segments}
     seg_of = {i: (a, b) for a, b in segments for i in range(a, b + 1)}
@@ -65,7 +67,8 @@ def use_sequence(n_layers: int, segments: list[tuple[int, int]]) -> list[int]:
             seq.append(i)
             i -= 1
     # merge consecutive repeats (head forward then head backward is one use)
-    return [x for k, x in enumerate(seq) if k == 0 or seq[k - 1] != x]
+    seq = [x for k, x in enumerate(seq) if k == 0 or seq[k - 1] != x]
+    return seq if embed_backward else seq[:-1]
 
 
 class ParamStreamer:

@@ -100,14 +100,14 @@ def test_streamed_embedding_is_fetched_for_a_resident_head(tied_pair, embed_tier
                   if what == "params"]
     want = [("h2d", "embed", matrix)] + ([("nvme_read", "embed", matrix)] if embed_tier == "nvme" else [])
     assert sorted(head_fetch) == sorted(want)
-    # per micro-batch: embedding forward, head, embedding backward; between micro-batches the
-    # streamer still holds the embedding from its backward for the next forward (ops.py), not
-    # across the step's end, where the weights change
+    # per micro-batch: the head's and the next forward's; not the embedding's backward, which
+    # reads no weights (between micro-batches the next forward's is fetched before it, across
+    # the step's end, where the weights change, after the update: ops.held_into_next_cycle)
     def h2d(items):   # the matrix's fetches (the final micro-batch also publishes resident layers' weights)
         return sum(amount for its in items for res, _, layer, what, amount in its
                    if res == "h2d" and what == "params" and layer == "embed")
     assert h2d(items) == 2 * matrix
-    assert h2d(_window_items(costs, a, h, final=True)) == 3 * matrix
+    assert h2d(_window_items(costs, a, h, final=True)) == 2 * matrix
     # on the device: the head's norm resident, the matrix in a streaming buffer (not resident)
     peaks, _ = memory_peaks(costs, a, depth=2)
     all_dev = memory_peaks(costs, _assignment(L, ("device",) * (L + 2)), depth=2)[0]

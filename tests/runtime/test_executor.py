@@ -28,9 +28,39 @@ def peak(plan_kw: dict, tmp_path, layers: int = 6, seq: int = 48) -> int:
 
 def test_use_sequence_expands_recompute_segments():
     # embed, b0, b1, b2, head with b0..b1 recomputed
-    assert use_sequence(5, [(1, 2)]) == [0, 1, 2, 3, 4, 3, 1, 2, 1, 0]
-    assert use_sequence(3, []) == [0, 1, 2, 1, 0]
-    assert use_sequence(3, [(0, 2)]) == [0, 1, 2, 0, 1, 2, 1, 0]
+    assert use_sequence(5, [(1, 2)], embed_backward=True) == [0, 1, 2, 3, 4, 3, 1, 2, 1, 0]
+    assert use_sequence(3, [], embed_backward=True) == [0, 1, 2, 1, 0]
+    assert use_sequence(3, [(0, 2)], embed_backward=True) == [0, 1, 2, 0, 1, 2, 1, 0]
+    # an embedding's backward reads no weights: its use is left out (its recompute stays)
+    assert use_sequence(5, [(1, 2)]) == [0, 1, 2, 3, 4, 3, 1, 2, 1]
+    assert use_sequence(3, [(0, 2)]) == [0, 1, 2, 0, 1, 2, 1]
+
+
+def test_embedding_backward_reads_no_weights_unless_it_does():
+    """The probe finds an nn.Embedding's backward weight-free (also under PEFT LoRA on it) and a
+    custom embedding that multiplies by its own weights not."""
+    from peft import LoraConfig, get_peft_model
+
+    from lazytrain.models.adapter import embedding_backward_reads_weights, find_parts
+
+    model = tiny_model("llama")
+    parts = find_parts(model)
+    assert not embedding_backward_reads_weights(parts)
+    lora = find_parts(get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["embed_tokens"])))
+    base = [p for n, p in lora.embed.named_parameters() if "lora_" not in n]
+    assert not embedding_backward_reads_weights(lora, base)   # the base matrix: not read
+    assert embedding_backward_reads_weights(lora)             # lora_B is (a resident adapter)
+
+    class Gated(torch.nn.Embedding):   # output * a learnt per-channel gate: the gate is saved
+        def __init__(self, n, d):
+            super().__init__(n, d)
+            self.gate = torch.nn.Parameter(torch.ones(d))
+
+        def forward(self, ids):
+            return super().forward(ids) * self.gate
+
+    parts.embed = Gated(parts.embed.num_embeddings, parts.embed.embedding_dim)
+    assert embedding_backward_reads_weights(parts)
 
 
 def test_streaming_and_recompute_lower_the_device_peak(tmp_path):
@@ -82,8 +112,9 @@ def test_tied_embeddings_share_one_buffer_and_one_update():
 
 
 def test_tied_head_fetches_the_streamed_embedding(tmp_path):
-    """A streamed embedding comes back for the head (end of forward / its backward) and once more
-    for the embedding's own backward; both of the head's weights are bound while it computes."""
+    """A streamed embedding comes back for the head (end of forward / its backward), not for the
+    embedding's own backward (which reads no weights), and once more for the next step's forward
+    after the update; both of the head's weights are bound while it computes."""
     model = tiny_model("llama-tied")
     ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, param_tier="host", prefetch_depth=1),
                            device="cpu")
@@ -102,7 +133,7 @@ def test_tied_head_fetches_the_streamed_embedding(tmp_path):
     ex.streamer._fetch, ex.streamer.use = fetch, use
     ex.train_step(random_batches(1, seed=0))
     assert fetched == ["embed", "block.0", "block.1", "block.2", "head", "embed",
-                       "block.2", "block.1", "block.0", "embed", "embed"]   # last: next step's
+                       "block.2", "block.1", "block.0", "embed"]   # last: next step's
     ex.close()
 
 
@@ -508,30 +539,37 @@ def test_queued_updates_keep_their_steps_lr(clip, optimizer, tier, tmp_path):
     assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "llama-lora"])
 @pytest.mark.parametrize("segments", [[], [(1, 3)], [(1, 2), (3, 3)], [(2, 3)], [(1, 1)]],
                          ids=["none", "all-blocks", "two", "last-two", "first"])
-@pytest.mark.parametrize("n_micro", [1, 2])
+@pytest.mark.parametrize("n_micro", [1, 2, 3])
 @pytest.mark.parametrize("layout", ["streamed", "some-resident", "depth-3"])
 def test_parameter_fetches_are_the_simulators(family, segments, n_micro, layout, tmp_path):
     """Every layer streamed from host at prefetch depth 2: the bytes of weights the executor
     fetches in a step are the simulator's h2d params for the plan, to the byte (which layers the
     streamer still holds when they are used again: ops.py), with recompute segments, tied
-    embeddings and gradient accumulation. With resident layers in between or a deeper prefetch
-    the streamer holds layers longer: the simulator's count is then an upper bound."""
+    embeddings, gradient accumulation (the first micro-batch of a step fetches what later ones
+    find held) and LoRA (frozen weights: held across steps too). With resident layers in between
+    or a deeper prefetch the streamer holds layers longer: the simulator's count is then an upper
+    bound."""
     from lazytrain.costmodel import job_costs
+    from lazytrain.models import apply_lora
     from lazytrain.plan.simulate import simulate
     from lazytrain.plan.solve import assignment_of
     from lazytrain.spec import JobSpec, ModelSpec
 
+    lora = family.endswith("-lora")
+    family = family.removesuffix("-lora")
     model = tiny_model(family)
-    job = JobSpec(batch_size=2, seq_len=16, grad_accum=n_micro, compute_dtype="fp32")
+    job = JobSpec(batch_size=2, seq_len=16, grad_accum=n_micro, compute_dtype="fp32",
+                  mode="lora" if lora else "full")
     resident = {"embed": {"param_tier": "device"}, "block.1": {"param_tier": "device"}}
     plan = hand_plan(3, param_tier="host", segments=segments, job=job,
                      prefetch_depth=3 if layout == "depth-3" else 2,
                      overrides=resident if layout == "some-resident" else None)
     trace = tmp_path / "trace.jsonl"
-    ex = StreamingExecutor(copy.deepcopy(model), plan, device="cpu", lr=1e-3, trace_path=trace)
+    run = apply_lora(copy.deepcopy(model), 4, 8.0, ("q_proj", "v_proj")) if lora else copy.deepcopy(model)
+    ex = StreamingExecutor(run, plan, device="cpu", lr=1e-3, trace_path=trace)
     for s in range(2):
         ex.train_step(random_batches(n_micro, seed=s))
     ex.close()
@@ -542,7 +580,7 @@ def test_parameter_fetches_are_the_simulators(family, segments, n_micro, layout,
                   depth=plan.options.prefetch_depth)
     # (resident layers' new weights are published to the device too: counted on both sides)
     want = sum(e.bytes for e in tl.events if e.kind == "h2d" and e.what == "params")
-    assert got == want if layout == "streamed" else 0 < got <= want
+    assert (got == want if layout == "streamed" else 0 < got <= want), (got, want)
 
 
 def test_io_between_steps_is_traced_outside_them(tmp_path):
