@@ -61,6 +61,9 @@ class JobCosts:
     # the next one's starts (the executor's default there), so one layer's are in flight, not two
     # (plan.ops.grads_in_flight)
     grads_inline: bool = False
+    # a CPU device: the streamer keeps freed streaming buffers for reuse (a fresh one page-faults
+    # in), one more block-sized one than it holds at once (plan.ops.streaming_reserve)
+    caches_stream_buffers: bool = False
 
     @property
     def blocks(self) -> tuple[LayerCost, ...]:
@@ -205,4 +208,5 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1 and not job.clip_grad
                       and job.master_dtype == job.compute_dtype and job.master_bytes < 4),
         grads_inline=hw.copies_share_compute,
+        caches_stream_buffers=hw.device_type == "cpu",
     )

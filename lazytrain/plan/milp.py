@@ -6,8 +6,9 @@ Variables
 - p[j,t]      binary: layer j's compute-dtype weights live on t (device = resident).
 - g[j,t], o[j,t]  binary: fp32 grads / master + moments on host or NVMe (full fine-tuning).
 - zh[j], zn[j]  reload products: block j recomputed-not-last AND streamed (from NVMe).
-- Bmax, Bnvme, Smax  largest streamed layer, largest NVMe layer, largest offloaded item
-              (size the device's streaming buffers, the host's bounce buffers, the staging buffers).
+- Bmax, Bblk, Bnvme, Smax  largest streamed layer, largest streamed block, largest NVMe layer,
+              largest offloaded item (size the device's streaming buffers, ops.streaming_reserve;
+              the host's bounce buffers; the staging buffers).
               A tied head's use streams its own weights and/or the embedding's matrix, each as its
               owner's tier says (`ops.weight_parts`): linear in p, no product needed.
 - D[b]        device bytes kept by segments ending at or before boundary b.
@@ -228,11 +229,14 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             prob += whh >= long_last + pv(L, "host") - 1, "whh_last"
 
     Bmax = pulp.LpVariable("Bmax", lowBound=0)
+    Bblk = pulp.LpVariable("Bblk", lowBound=0)   # largest streamed block (ops.streaming_reserve)
     Bnvme = pulp.LpVariable("Bnvme", lowBound=0)
     Smax = pulp.LpVariable("Smax", lowBound=0)
     # Memory rows are written in GiB: byte-sized coefficients sit below solver tolerances.
     for j in range(N):
         prob += Bmax >= fetched_bytes(j) / GiB, f"bmax_{j}"
+        if 1 <= j <= L:
+            prob += Bblk >= fetched_bytes(j) / GiB, f"bblk_{j}"
         if allow_nvme:
             prob += Bnvme >= nvme_read_bytes(j) / GiB, f"bnvme_{j}"
     for c in cand:
@@ -240,10 +244,21 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         if off:
             prob += Smax >= kept[c] / GiB * pulp.lpSum(off), f"smax_{c[0]}_{c[1]}_{c[2][0]}"
 
+    # Streaming buffers (ops.streaming_reserve): depth of the largest slot (binary `wide` = 1), or
+    # where at least depth - 1 blocks stream the largest slot + depth - 1 (+ 1 cached, on a CPU
+    # device) of the largest block's; the solver takes the smaller.
+    R = pulp.LpVariable("stream_reserve", lowBound=0)
+    wide = pulp.LpVariable("stream_reserve_wide", cat=B)
+    big = (depth + 1) * max((sum(b for _, b in parts[j]) for j in range(N)), default=0) / GiB
+    prob += R >= depth * Bmax - big * (1 - wide), "reserve_wide"
+    prob += R >= Bmax + (depth - 1 + int(costs.caches_stream_buffers)) * Bblk - big * wide, "reserve"
+    prob += (pulp.lpSum(1 - pv(j, "device") for j in range(1, L + 1)) >= (depth - 1) * (1 - wide),
+             "reserve_blocks")
+
     # ---- device memory --------------------------------------------------------------------
     base = (costs.device_static_bytes / GiB
             + pulp.lpSum(c.param_store_bytes / GiB * pv(j, "device") for j, c in enumerate(layers))
-            + depth * Bmax + 2 * Smax)
+            + R + 2 * Smax)
     D = [pulp.LpVariable(f"D_{b}", lowBound=0) for b in range(L + 1)]
     prob += D[0] == 0, "D_0"
     for b in range(1, L + 1):

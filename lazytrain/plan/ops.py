@@ -128,6 +128,26 @@ def held_into_next_cycle(final: bool, trains_base: bool) -> bool:
     return not final or not trains_base
 
 
+def streaming_reserve(slots: list[int], num_blocks: int, depth: int, cached: bool = False) -> int:
+    """Device bytes of the streamer's buffers, from each layer's slot (the weights one use of it
+    brings: `weight_parts` not on the device; 0 when resident). The streamer holds the layer in
+    use and the next depth - 1 streamed ones (resident layers are skipped), and between the head
+    and the embedding lies every streamed block's use either way, so with at least depth - 1
+    streamed blocks at most one of those two is held at once: the largest slot of any layer plus
+    depth - 1 of the largest block's (Llama-3-8B with everything streamed at depth 2: embedding
+    1.0 + block 0.44 GB, not 2 x 1.0). `cached` (a CPU device, JobCosts.caches_stream_buffers):
+    freed buffers are kept for reuse, and the embedding's or head's stays cached while depth blocks
+    stream: one more block's. Never more than depth of the largest (with fewer streamed blocks:
+    that), which the streamer enforces by dropping cached buffers first."""
+    if not slots:
+        return 0
+    top = depth * max(slots)
+    blocks = slots[1:num_blocks + 1]
+    if sum(1 for b in blocks if b > 0) < depth - 1:
+        return top
+    return min(top, max(slots) + (depth - 1 + int(cached)) * max(blocks, default=0))
+
+
 def micro_batch_kinds(grad_accum: int, trains_base: bool) -> list[tuple[bool, bool, int]]:
     """The kinds of micro-batch in a step, as (final, after_held, count). `after_held`: the micro-
     batch before (for the first, the previous step's last) fetched this one's embedding early

@@ -15,7 +15,7 @@ from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
                   grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence,
-                  refetch_last_kept, update_window, weight_parts)
+                  refetch_last_kept, streaming_reserve, update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -168,7 +168,7 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
     offloaded = [s.kept_bytes(costs) for s in a.segments if s.tier != "device"]
     static = (costs.device_static_bytes
               + sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "device")
-              + depth * max(streamed, default=0) + 2 * max(offloaded, default=0))
+              + streaming_reserve(streamed, L, depth, costs.caches_stream_buffers) + 2 * max(offloaded, default=0))
     curve: list[tuple[int, int]] = [(0, static)]  # (window index, device bytes)
     held = 0
     for seg in a.segments:  # forward

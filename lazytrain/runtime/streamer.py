@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..plan.ops import streaming_reserve
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
 from ..storage.flat import FlatLayout, typed
 from ..storage.tiers import HostStore, NvmeStore
@@ -88,11 +89,12 @@ class ParamStreamer:
         self.wrap = False
         self._free: dict[int, list[torch.Tensor]] = {}   # CPU: reuse device buffers by size
         # Streaming buffers held at once (in use + cached for reuse) stay within what the plan
-        # reserves for them: `depth` slots of the largest one (a slot: a layer and what it borrows).
-        # Cached free buffers are released first when a fetch would go over.
+        # reserves for them (a slot: a layer and what it borrows; plan.ops.streaming_reserve: the
+        # largest slot + depth - 1 of the largest block's, one more on a CPU device, which keeps
+        # freed ones for reuse). Cached free buffers are released first when a fetch would go over.
         slot = [sum(layers[j].layout.padded_nbytes for j in (lay.index, *lay.borrows)
                     if layers[j].tier != "device") for lay in layers]
-        self._cap = self.depth * max(slot, default=0)
+        self._cap = streaming_reserve(slot, len(layers) - 2, self.depth, cached=not self.cuda)
         self._pool_bytes = 0
         for lay in layers:
             if lay.tier == "device" and lay.layout.numel:
