@@ -81,13 +81,20 @@ def find_parts(model: nn.Module) -> DecoderParts:
 
 
 def embedding_backward_reads_weights(parts: DecoderParts, weights: Iterable[torch.Tensor] | None = None) -> bool:
-    """Whether the embedding's backward reads `weights` (default: all its parameters; the executor
-    asks about the streamed ones, not resident LoRA adapters). An `nn.Embedding`'s does not (its
-    gradient needs only the token ids and the output's gradient), so the streamer need not bring
-    them back for it; a wrapper or custom embedding might. Found out, not assumed: the embedding
-    runs once on one token with saved-tensor hooks, and any saved tensor sharing one of their
-    storages means yes (so does a failed probe)."""
+    """Whether the embedding's backward may read `weights` (default: all its parameters; the
+    executor asks about the streamed ones, not resident LoRA adapters). An `nn.Embedding`'s does
+    not (its gradient needs only the token ids and the output's gradient), so the streamer need
+    not bring them back for it. Only `nn.Embedding` itself and the subclasses transformers ships
+    (scaled embeddings) are trusted, and those only after a probe: the embedding runs once on one
+    token with saved-tensor hooks, and any saved tensor sharing one of their storages means yes
+    (so does a failed probe). Anything else (a wrapper, user code) counts as yes: a probe cannot see
+    weights kept on an autograd.Function's ctx, saved under the module's own saved-tensor hooks
+    (checkpointing inside it), or cast to another dtype before they are saved."""
     embed = parts.embed
+    trusted = type(embed).forward is nn.Embedding.forward or (
+        isinstance(embed, nn.Embedding) and type(embed).__module__.startswith("transformers."))
+    if not trusted:
+        return True
     weights = list(embed.parameters()) if weights is None else list(weights)
     ptrs = {p.untyped_storage().data_ptr() for p in weights if p.numel()}
     if not ptrs:

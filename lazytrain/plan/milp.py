@@ -36,7 +36,7 @@ from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
                   grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, micro_batch_kinds,
-                  op_sequence, refetch_last_kept, update_window, weight_parts)
+                  op_sequence, refetch_last_kept, streaming_reserve, update_window, weight_parts)
 
 
 
@@ -444,6 +444,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         for v in prob.variables():
             if v.cat == pulp.LpInteger and v.varValue is not None:
                 v.bounds(round(v.varValue), round(v.varValue))
+        # the streaming reserve's branch the decisions allow at its smallest (ops.streaming_reserve),
+        # not whichever the incumbent took (it moves only a tie-breaker, below the solver's gap)
+        slots = [int(round(pulp.value(fetched_bytes(j)) or 0)) for j in range(N)]
+        narrow = streaming_reserve(slots, L, depth, costs.caches_stream_buffers) < depth * max(slots, default=0)
+        wide.bounds(0 if narrow else 1, 0 if narrow else 1)
         with _quiet_stdout():
             prob.solve(make_solver(solver, time_limit_s, mip_gap, presolve=False)[0])
         prob.sol_status = mip_status  # report the MIP's status (optimal vs feasible), not the LP's

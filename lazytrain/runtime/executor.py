@@ -231,9 +231,15 @@ class StreamingExecutor:
         self._build_layers()
         # (probed before _init_storage moves the weights into the streamer's buffers)
         self.embed_bwd_weights = embedding_backward_reads_weights(self.parts, self.layers[0].params)
+        if self.embed_bwd_weights and self.layers[0].tier != "device":
+            warnings.warn(f"{type(self.parts.embed).__name__}: the embedding's backward may read its weights, so "
+                          "they are fetched for it too; the planner assumes an HF embedding, which does not, "
+                          "and charges one fetch of them per micro-batch less than this run makes",
+                          UserWarning, stacklevel=2)
         self.use_seq = use_sequence(self.n_layers, plan.segments(), embed_backward=self.embed_bwd_weights)
         self.streamer = ParamStreamer(self.layers, self.device, plan.options.prefetch_depth,
-                                      self.host, self.nvme, self.pool, self.acct, self.trace)
+                                      self.host, self.nvme, self.pool, self.acct, self.trace,
+                                      embed_recomputed=any(a == 0 for a, _ in plan.segments()))
         self._init_storage()
         self.acts = ActivationStore(self.device, self.acct, self.trace, self.nvme_root, self.pool, names)
         self._init_optimizer(optimizer)

@@ -57,25 +57,26 @@ def use_sequence(n_layers: int, segments: list[tuple[int, int]], embed_backward:
     seq = list(range(n_layers))
     seg_by_end = {b: a for a, b in segments}
     seg_of = {i: (a, b) for a, b in segments for i in range(a, b + 1)}
+    stop = -1 if embed_backward else 0   # backward uses down to (not) the embedding's
     i = n_layers - 1
     while i >= 0:
         if i in seg_by_end:
             a = seg_by_end[i]
-            seq += list(range(a, i + 1)) + list(range(i, a - 1, -1))
+            seq += list(range(a, i + 1)) + list(range(i, max(a, stop + 1) - 1, -1))
             i = a - 1
         else:
             assert i not in seg_of
-            seq.append(i)
+            if i > stop:
+                seq.append(i)
             i -= 1
     # merge consecutive repeats (head forward then head backward is one use)
-    seq = [x for k, x in enumerate(seq) if k == 0 or seq[k - 1] != x]
-    return seq if embed_backward else seq[:-1]
+    return [x for k, x in enumerate(seq) if k == 0 or seq[k - 1] != x]
 
 
 class ParamStreamer:
     def __init__(self, layers: list[StreamedLayer], device: torch.device, depth: int,
                  host: HostStore, nvme: NvmeStore | None, pool: IOPool,
-                 accountant: MemoryAccountant, trace: Trace) -> None:
+                 accountant: MemoryAccountant, trace: Trace, embed_recomputed: bool = False) -> None:
         self.layers = layers
         self.device = device
         self.cuda = device.type == "cuda"
@@ -94,7 +95,10 @@ class ParamStreamer:
         # freed ones for reuse). Cached free buffers are released first when a fetch would go over.
         slot = [sum(layers[j].layout.padded_nbytes for j in (lay.index, *lay.borrows)
                     if layers[j].tier != "device") for lay in layers]
-        self._cap = streaming_reserve(slot, len(layers) - 2, self.depth, cached=not self.cuda)
+        # (a hand plan that recomputes the embedding re-runs it right after the head, so both can
+        # be held at once: the planner never makes one; such a plan gets depth of the largest)
+        self._cap = (self.depth * max(slot, default=0) if embed_recomputed
+                     else streaming_reserve(slot, len(layers) - 2, self.depth, cached=not self.cuda))
         self._pool_bytes = 0
         for lay in layers:
             if lay.tier == "device" and lay.layout.numel:

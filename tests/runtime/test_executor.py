@@ -34,11 +34,27 @@ def test_use_sequence_expands_recompute_segments():
     # an embedding's backward reads no weights: its use is left out (its recompute stays)
     assert use_sequence(5, [(1, 2)]) == [0, 1, 2, 3, 4, 3, 1, 2, 1]
     assert use_sequence(3, [(0, 2)]) == [0, 1, 2, 0, 1, 2, 1]
+    assert use_sequence(5, [(0, 0)]) == [0, 1, 2, 3, 4, 3, 2, 1, 0]
 
 
-def test_embedding_backward_reads_no_weights_unless_it_does():
-    """The probe finds an nn.Embedding's backward weight-free (also under PEFT LoRA on it) and a
-    custom embedding that multiplies by its own weights not."""
+def test_a_recomputed_embedding_trains_within_the_streaming_cap(tmp_path):
+    """A hand plan that recomputes the embedding (the planner never does) re-runs it right after
+    the head: it runs, and the streamer's cache cap is then depth of the largest slot."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=2048)
+    for segments in ([(0, 0)], [(0, 5)]):
+        ex = StreamingExecutor(copy.deepcopy(model), hand_plan(4, param_tier="host", segments=segments),
+                               device="cpu", nvme_dir=tmp_path)
+        sizes = [lay.layout.padded_nbytes for lay in ex.streamer.layers]
+        for k in range(2):
+            ex.train_step(random_batches(1, seed=k))
+        assert ex.acct.peak_by_kind["params_streamed"] <= 2 * max(sizes)
+        ex.close()
+
+
+def test_embedding_backward_reads_no_weights_unless_it_may():
+    """An nn.Embedding's backward reads no weights; wrappers and user subclasses count as reading
+    them (a probe cannot see everything); a transformers subclass is probed: one that multiplies
+    by a weight of its own is caught."""
     from peft import LoraConfig, get_peft_model
 
     from lazytrain.models.adapter import embedding_backward_reads_weights, find_parts
@@ -47,9 +63,7 @@ def test_embedding_backward_reads_no_weights_unless_it_does():
     parts = find_parts(model)
     assert not embedding_backward_reads_weights(parts)
     lora = find_parts(get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["embed_tokens"])))
-    base = [p for n, p in lora.embed.named_parameters() if "lora_" not in n]
-    assert not embedding_backward_reads_weights(lora, base)   # the base matrix: not read
-    assert embedding_backward_reads_weights(lora)             # lora_B is (a resident adapter)
+    assert embedding_backward_reads_weights(lora)   # a wrapper: not trusted
 
     class Gated(torch.nn.Embedding):   # output * a learnt per-channel gate: the gate is saved
         def __init__(self, n, d):
@@ -59,8 +73,16 @@ def test_embedding_backward_reads_no_weights_unless_it_does():
         def forward(self, ids):
             return super().forward(ids) * self.gate
 
-    parts.embed = Gated(parts.embed.num_embeddings, parts.embed.embedding_dim)
-    assert embedding_backward_reads_weights(parts)
+    class Scaled(torch.nn.Embedding):  # like transformers' scaled embeddings: reads no weights
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    n, d = parts.embed.num_embeddings, parts.embed.embedding_dim
+    for cls, reads in ((Gated, True), (Scaled, False)):
+        parts.embed = cls(n, d)
+        assert embedding_backward_reads_weights(parts)   # user code: not trusted
+        cls.__module__ = "transformers.models.test"     # as if transformers shipped it: probed
+        assert embedding_backward_reads_weights(parts) == reads, cls.__name__
 
 
 def test_streaming_and_recompute_lower_the_device_peak(tmp_path):
