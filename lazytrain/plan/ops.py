@@ -19,8 +19,8 @@ window prefetches the next step's first layer):
   use comes after one other use) the last block's backward (after the head; unless a longer
   recompute segment runs in between) and the backward of a segment's second-to-last block
   (after the last block's recompute + backward), and the first block's next forward after its
-  backward when the embedding's forward in between was fetched early (`micro_batch_kinds`). This is exact when every layer streams at depth
-  2 and an upper bound otherwise: with device-resident layers in between, or at depth >= 3, the
+  backward when the embedding's forward in between was fetched early (`micro_batch_kinds`).
+  This is exact when every layer streams at depth 2 and an upper bound otherwise: with device-resident layers in between, or at depth >= 3, the
   streamer holds layers longer and fetches less than charged here;
   a tied head's weights are its own (on its param tier) plus the embedding's matrix (on the
   embedding's tier: counted once, with the embedding, when resident; fetched for the head when
@@ -122,7 +122,8 @@ def held_into_next_cycle(final: bool, trains_base: bool) -> bool:
     step's update changes the embedding's weights (the final micro-batch, full training).
 
     B_0 itself reads no weights (an embedding's gradient needs only the token ids and the
-    gradient of its output), so nothing is fetched for it. The window before B_0 (B_1's) fetches
+    gradient of its output), so nothing is fetched for it (assumed: HF embeddings; the executor
+    warns where an embedding may read them, and then fetches them for B_0 too). The window before B_0 (B_1's) fetches
     the next F_0's weights when they are held into the next cycle; otherwise they are fetched after
     the update, in the last window. Either way the embedding crosses once per micro-batch."""
     return not final or not trains_base
