@@ -12,7 +12,7 @@ the sum of its windows. Transfers are charged as follows (the sequence is cyclic
 window prefetches the next step's first layer):
 - parameters of the op after this one (prefetch), from host (h2d) or NVMe (nvme_read + h2d);
   a recomputed block that is not the last of its segment is fetched twice (recompute + backward);
-  the executor's streamer still holds a layer used again soon, and three such cases are counted:
+  the executor's streamer still holds a layer used again soon, and four such cases are counted:
   where the weights did not change (between micro-batches; LoRA: across steps too) the
   embedding's next forward is fetched in the window before its backward, which reads no weights
   (`held_into_next_cycle`), else in the last window; with a prefetch depth >= 2 (a layer whose next
@@ -20,8 +20,9 @@ window prefetches the next step's first layer):
   recompute segment runs in between) and the backward of a segment's second-to-last block
   (after the last block's recompute + backward), and the first block's next forward after its
   backward when the embedding's forward in between was fetched early (`micro_batch_kinds`).
-  This is exact when every layer streams at depth 2 and an upper bound otherwise: with device-resident layers in between, or at depth >= 3, the
-  streamer holds layers longer and fetches less than charged here;
+  This is exact when every layer streams at depth 2 and an upper bound otherwise: with
+  device-resident layers in between, or at depth >= 3, the streamer holds layers longer and
+  fetches less than charged here;
   a tied head's weights are its own (on its param tier) plus the embedding's matrix (on the
   embedding's tier: counted once, with the embedding, when resident; fetched for the head when
   streamed), see `weight_parts`;
