@@ -305,6 +305,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
 
     # ---- windows --------------------------------------------------------------------------
     def loads(final: bool, after_held: bool) -> list[dict[str, object]]:
+        held = held_into_next_cycle(final, full)
         # h2d_host: the part of h2d that is a copy on a CPU device (not what NVMe reads bring)
         res = [{r: 0 for r in ("compute", "h2d", "h2d_host", "d2h", "nvme_read", "nvme_write", "optimizer")}
                for _ in range(K)]
@@ -323,8 +324,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                 res[k]["h2d_host"] += n.param_bytes * whh if cpu else 0
                 if wn is not None:
                     res[k]["nvme_read"] += n.param_bytes * wn
-            elif not (k == K - 1 and held_into_next_cycle(final, full)   # fetched before B_0 (ops.py)
-                      or nxt.kind == BWD and nxt.layer == 0 and not held_into_next_cycle(final, full)
+            elif not (k == K - 1 and held   # fetched before B_0 (ops.py)
+                      or nxt.kind == BWD and nxt.layer == 0 and not held
                       or k == 0 and first_block_held(after_held, depth)):
                 res[k]["h2d"] += fetched_bytes(nxt.layer)
                 res[k]["h2d_host"] += host_fetched_bytes(nxt.layer) if cpu else 0

@@ -130,7 +130,8 @@ def held_into_next_cycle(final: bool, trains_base: bool) -> bool:
     return not final or not trains_base
 
 
-def streaming_reserve(slots: list[int], num_blocks: int, depth: int, cached: bool = False) -> int:
+def streaming_reserve(slots: list[int], num_blocks: int, depth: int, cached: bool = False,
+                      embed_recomputed: bool = False) -> int:
     """Device bytes of the streamer's buffers, from each layer's slot (the weights one use of it
     brings: `weight_parts` not on the device; 0 when resident). The streamer holds the layer in
     use and the next depth - 1 streamed ones (resident layers are skipped), and between the head
@@ -140,12 +141,14 @@ def streaming_reserve(slots: list[int], num_blocks: int, depth: int, cached: boo
     1.0 + block 0.44 GB, not 2 x 1.0). `cached` (a CPU device, JobCosts.caches_stream_buffers):
     freed buffers are kept for reuse, and the embedding's or head's stays cached while depth blocks
     stream: one more block's. Never more than depth of the largest (with fewer streamed blocks:
-    that), which the streamer enforces by dropping cached buffers first."""
+    that), which the streamer enforces by dropping cached buffers first. `embed_recomputed`: a hand
+    plan that recomputes the embedding (the planner never makes one) re-runs it right after the
+    head, so both can be held at once: depth of the largest."""
     if not slots:
         return 0
     top = depth * max(slots)
     blocks = slots[1:num_blocks + 1]
-    if sum(1 for b in blocks if b > 0) < depth - 1:
+    if embed_recomputed or sum(1 for b in blocks if b > 0) < depth - 1:
         return top
     return min(top, max(slots) + (depth - 1 + int(cached)) * max(blocks, default=0))
 

@@ -69,6 +69,7 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
     reuse = depth >= 2
     overlap = hw.optimizer_overlaps_compute
     cpu = hw.copies_share_compute   # no copy after an NVMe read; copies run on the compute lane
+    held = held_into_next_cycle(final, costs.trains_base)
 
     for k, op in enumerate(ops):
         c = layers[op.layer]
@@ -85,7 +86,6 @@ def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
         # owners' tiers (the embedding's matrix is fetched for it only when the embedding streams)
         nxt = ops[(k + 1) % K]
         times = 2 if (nxt.kind == BWD and not_last[nxt.layer]) else 1
-        held = held_into_next_cycle(final, costs.trains_base)
         if ((reuse and nxt.kind == BWD and nxt.layer == L and not long_last)
                 or (k == K - 1 and held)               # fetched before B_0 (ops.py)
                 or (nxt.kind == BWD and nxt.layer == 0 and not held)     # B_0 reads no weights

@@ -468,6 +468,12 @@ class StreamingExecutor:
             mb["rl_leaf"][i] = tuple(t.detach().requires_grad_(True) for t in logits)
         return out
 
+    def _use_for_backward(self, i: int) -> None:
+        """Layer i's weights on the device for its backward: the embedding's reads none unless the
+        setup probe said otherwise (and then `use_sequence` kept that use)."""
+        if i > 0 or self.embed_bwd_weights:
+            self.streamer.use(i)
+
     def _bwd(self, i: int, x: torch.Tensor | None, out: torch.Tensor, g: torch.Tensor | None,
              first: bool, last: bool, mb: dict) -> torch.Tensor | None:
         lay = self.layers[i]
@@ -702,8 +708,7 @@ class StreamingExecutor:
                 mb["recomputing"] = False
                 del hin
                 for j in range(i, a - 1, -1):
-                    if j > 0 or self.embed_bwd_weights:
-                        self.streamer.use(j)
+                    self._use_for_backward(j)
                     xj, outj = seg_graphs.pop(j)
                     g = self._bwd(j, xj, outj, g, first, last, mb)
                     live = self._track_live(live, g)
@@ -717,8 +722,7 @@ class StreamingExecutor:
                     if not dec[j].recompute:
                         self.acts.prefetch(j)
                         k += 1
-                if i > 0 or self.embed_bwd_weights:   # (use_sequence)
-                    self.streamer.use(i)
+                self._use_for_backward(i)
                 x, out = graphs.pop(i)
                 g = self._bwd(i, x, out, g, first, last, mb)
                 live = self._track_live(live, g)

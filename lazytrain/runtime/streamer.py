@@ -95,10 +95,8 @@ class ParamStreamer:
         # freed ones for reuse). Cached free buffers are released first when a fetch would go over.
         slot = [sum(layers[j].layout.padded_nbytes for j in (lay.index, *lay.borrows)
                     if layers[j].tier != "device") for lay in layers]
-        # (a hand plan that recomputes the embedding re-runs it right after the head, so both can
-        # be held at once: the planner never makes one; such a plan gets depth of the largest)
-        self._cap = (self.depth * max(slot, default=0) if embed_recomputed
-                     else streaming_reserve(slot, len(layers) - 2, self.depth, cached=not self.cuda))
+        self._cap = streaming_reserve(slot, len(layers) - 2, self.depth, cached=not self.cuda,
+                                      embed_recomputed=embed_recomputed)
         self._pool_bytes = 0
         for lay in layers:
             if lay.tier == "device" and lay.layout.numel:
