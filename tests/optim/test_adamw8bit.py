@@ -316,6 +316,23 @@ def test_cpp_kernel_equals_pure_torch_kernel_bit_exactly(dtype, decades, wd):
     assert math.isclose(float(sq_c), float(sq_t), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_grad_sq_sum_over_full_chunks_and_tails_matches_float64(dtype):
+    """The C++ norm pass reads full 16K-element chunks as two prefetched sub-streams and the rest
+    masked: sizes around the chunk boundaries, mixed magnitudes, equal to a float64 sum."""
+    _cpp_or_skip()
+    g = torch.Generator().manual_seed(3)
+    sizes = [16384, 16385, 2 * 16384 + 17, 3, 16383, 70000]
+    grads = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (1,), generator=g)).to(dtype) for n in sizes]
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    opt = AdamW8bit(params, lr=1e-3, backend="cpp")
+    want = sum(float((gr.double() ** 2).sum()) for gr in grads)
+    got = float(opt.grad_sq_sum(params))
+    assert math.isclose(got, want, rel_tol=1e-5)
+
+
 def test_a_block_of_denormal_moments_quantises_to_zero_codes_in_every_kernel():
     """A block whose new absmax is a denormal below 1 / FLT_MAX (all-zero gradients but one of
     1e-38): 1 / absmax overflows, and inf * 0 made the block's zeros NaN, which the VBMI kernel

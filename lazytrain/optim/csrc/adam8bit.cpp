@@ -581,11 +581,45 @@ void adam32_step(const std::vector<at::Tensor>& weights, const std::vector<at::T
   });
 }
 
+#if LT_AVX512
+// Sum of squares of one full chunk of K elements, read as two interleaved sub-streams with two
+// accumulators each, prefetching 4 KiB ahead of each into L2. This pass is bound by how many
+// cache-line misses one core keeps in flight: L1 prefetches (or none) leave it at ~30 GB/s for
+// two cores here; L2 prefetches (their own miss queue) make it ~10% faster.
+template <typename G, int64_t K>
+inline float chunk_sq_sum(const G* g) {
+  constexpr int64_t kHalf = K / 2;
+  constexpr int64_t kAhead = 4096 / sizeof(G);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kHalf; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(g + i + kAhead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(g + kHalf + i + kAhead), _MM_HINT_T1);
+    const __m512 x0 = load_grad(g + i, 0xFFFF), x1 = load_grad(g + i + 16, 0xFFFF);
+    const __m512 y0 = load_grad(g + kHalf + i, 0xFFFF), y1 = load_grad(g + kHalf + i + 16, 0xFFFF);
+    a0 = _mm512_fmadd_ps(x0, x0, a0);
+    a1 = _mm512_fmadd_ps(x1, x1, a1);
+    b0 = _mm512_fmadd_ps(y0, y0, b0);
+    b1 = _mm512_fmadd_ps(y1, y1, b1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(b0, b1)));
+}
+
+// A chunk's tail (or a short tensor): one masked stream.
+template <typename G>
+inline float tail_sq_sum(const G* g, int64_t n) {
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 x = load_grad(g + i, tail_mask(n - i));
+    a = _mm512_fmadd_ps(x, x, a);
+  }
+  return _mm512_reduce_add_ps(a);
+}
+#endif
+
 // Sum of squares of all grads in fp32 per 16K-element chunk, chunks summed in double: the result does
 // not depend on the number of threads.
 at::Tensor grad_sq_sum(const std::vector<at::Tensor>& grads) {
   constexpr int64_t kChunk = 1 << 14;
-  constexpr int kStreams = 4;
   std::vector<int64_t> first(grads.size() + 1, 0);
   for (size_t i = 0; i < grads.size(); ++i)
     first[i + 1] = first[i] + (grads[i].numel() + kChunk - 1) / kChunk;
@@ -600,43 +634,13 @@ at::Tensor grad_sq_sum(const std::vector<at::Tensor>& grads) {
       const bool bf = grads[ti].scalar_type() == at::kBFloat16;
       float acc = 0.0f;
 #if LT_AVX512
-      // A full chunk is read as kStreams interleaved sub-streams: one core keeps more cache-line
-      // misses in flight than with one sequential stream (~15% faster here, where this pass is bound
-      // by read bandwidth).
-      __m512 a[kStreams];
-      for (int s = 0; s < kStreams; ++s) a[s] = _mm512_setzero_ps();
-      int64_t i = 0;
       if (bf) {
         const uint16_t* g = reinterpret_cast<const uint16_t*>(grads[ti].data_ptr<at::BFloat16>()) + off;
-        if (n == kChunk) {
-          for (; i < kChunk / kStreams; i += 16)
-            for (int s = 0; s < kStreams; ++s) {
-              const __m512 x = load_grad(g + s * (kChunk / kStreams) + i, 0xFFFF);
-              a[s] = _mm512_fmadd_ps(x, x, a[s]);
-            }
-          i = n;
-        }
-        for (; i < n; i += 16) {
-          const __m512 x = load_grad(g + i, tail_mask(n - i));
-          a[0] = _mm512_fmadd_ps(x, x, a[0]);
-        }
+        acc = n == kChunk ? chunk_sq_sum<uint16_t, kChunk>(g) : tail_sq_sum(g, n);
       } else {
         const float* g = grads[ti].data_ptr<float>() + off;
-        if (n == kChunk) {
-          for (; i < kChunk / kStreams; i += 16)
-            for (int s = 0; s < kStreams; ++s) {
-              const __m512 x = _mm512_loadu_ps(g + s * (kChunk / kStreams) + i);
-              a[s] = _mm512_fmadd_ps(x, x, a[s]);
-            }
-          i = n;
-        }
-        for (; i < n; i += 16) {
-          const __m512 x = _mm512_maskz_loadu_ps(tail_mask(n - i), g + i);
-          a[0] = _mm512_fmadd_ps(x, x, a[0]);
-        }
+        acc = n == kChunk ? chunk_sq_sum<float, kChunk>(g) : tail_sq_sum(g, n);
       }
-      for (int s = 1; s < kStreams; ++s) a[0] = _mm512_add_ps(a[0], a[s]);
-      acc = _mm512_reduce_add_ps(a[0]);
 #else
       // Without SIMD: 16 partial sums, like the vector path's lanes (one running fp32 sum over a
       // whole chunk loses ~1e-5 relative accuracy).
