@@ -38,6 +38,7 @@ from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunk
 from ..plan.plan import Plan
 from ..spec.model import experts_implementation
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
+from ..storage.fastcopy import copy_into
 from ..storage.flat import FlatLayout, typed
 from ..costmodel import NVME_STATE_SETS
 from ..storage.tiers import HostStore, NvmeStore, StagingSets, check_nvme_dir
@@ -405,11 +406,11 @@ class StreamingExecutor:
                     with self.trace.span("h2d", lay.name, lay.resident.nbytes, "device", "params"):
                         lay.resident.copy_(src)
                 else:   # the update's own write of the compute-dtype weights (no transfer on a CPU)
-                    lay.resident.copy_(src)
+                    copy_into(lay.resident, src)
             elif d.param_tier == "host":
                 dst = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)
                 if dst.data_ptr() != master.data_ptr():   # else the master is the store (pure bf16)
-                    dst.copy_(master)
+                    copy_into(dst, master)
             else:
                 # Written behind the update, on its own I/O thread, as the planner overlaps it (a
                 # synchronous write held the update, and on a CPU device the step, for the drive's
@@ -420,7 +421,7 @@ class StreamingExecutor:
                 while len(self._publishing) >= PUBLISH_IN_FLIGHT:
                     self._publishing.popleft().result()
                 buf = aligned_empty(lay.layout.padded_nbytes)
-                typed(buf, lay.layout.dtype, lay.layout.numel).copy_(master)
+                copy_into(typed(buf, lay.layout.dtype, lay.layout.numel), master)
                 key, trace, step = self.streamer.key(lay), self.trace, self.trace.current_step()
 
                 def publish() -> None:

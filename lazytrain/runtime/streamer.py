@@ -26,6 +26,7 @@ from torch import nn
 
 from ..plan.ops import streaming_reserve
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
+from ..storage.fastcopy import copy_into
 from ..storage.flat import FlatLayout, typed
 from ..storage.tiers import HostStore, NvmeStore
 from .accountant import MemoryAccountant
@@ -237,7 +238,7 @@ class ParamStreamer:
                     self.nvme.read_sync(self.key(lay), buf)
                     self.trace.add("nvme_read", lay.name, s, self.trace.now(), nb, "nvme", "params")
                 else:
-                    buf.copy_(self.host.get(self.key(lay)))
+                    copy_into(buf, self.host.get(self.key(lay)))   # streaming stores: buf is out of cache
                     self.trace.add("h2d", lay.name, s, self.trace.now(), lay.layout.nbytes, "host", "params")
                 return None
             src = self.host.get(self.key(lay)) if lay.tier == "host" else None

@@ -1,0 +1,106 @@
+"""Build (on first use) and load this package's small C++ extensions.
+
+Each extension is compiled with the machine's C++ compiler through
+``torch.utils.cpp_extension.load`` into ``$TORCH_EXTENSIONS_DIR/<name>`` (default
+``~/.cache/lazytrain/torch_extensions``) and reused afterwards; a changed source rebuilds. When no
+compiler (or ninja) is available, or ``LAZYTRAIN_NO_CPP=1`` is set, :meth:`Extension.load`
+returns None with the reason in :meth:`Extension.unavailable_reason`, and the caller falls back to
+plain torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+_LOG = logging.getLogger(__name__)
+
+
+def extensions_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "lazytrain", "torch_extensions"
+    )
+    return Path(root)
+
+
+def cflags() -> list[str]:
+    # -ffp-contract=off: no FMA contraction, so results match the pure-torch kernels bit for bit.
+    # -fopenmp: at::parallel_for is header code; without it a kernel silently runs on one thread.
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fopenmp"]
+    if os.environ.get("LAZYTRAIN_CPP_MARCH", "native") != "none":
+        flags.append("-march=" + os.environ.get("LAZYTRAIN_CPP_MARCH", "native"))
+    return flags
+
+
+class Extension:
+    """One C++ source built on first use (thread-safe; tried once per process)."""
+
+    def __init__(self, name: str, source: Path, what: str, fallback: str) -> None:
+        self.name, self.source, self.what, self.fallback = name, source, what, fallback
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._reason: str | None = None
+        self._tried = False
+
+    def build_dir(self) -> Path:
+        """Where the compiled extension lives (created on demand)."""
+        return extensions_root() / self.name
+
+    def _fail(self, reason: str) -> None:
+        self._reason = reason
+        _LOG.warning("lazytrain: %s; using %s", reason, self.fallback)
+
+    def load(self, verbose: bool = False) -> ModuleType | None:
+        """The compiled extension, building it on first use; None (with a reason) if it cannot be."""
+        with self._lock:
+            if self._tried:
+                return self._module
+            self._tried = True
+            if os.environ.get("LAZYTRAIN_NO_CPP") == "1":
+                self._reason = "disabled by LAZYTRAIN_NO_CPP=1"
+                return None
+            cxx = os.environ.get("CXX", "c++")
+            if shutil.which(cxx) is None:
+                self._fail(f"no C++ compiler ({cxx!r} not on PATH) for the {self.what}")
+                return None
+            try:
+                from torch.utils import cpp_extension
+
+                cpp_extension.verify_ninja_availability()
+            except Exception as exc:  # noqa: BLE001 - any failure means "no fast path", said once
+                self._fail(f"ninja is required to build the {self.what} ({exc}); pip install ninja")
+                return None
+            directory = self.build_dir()
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._fail(f"cannot create the build directory {directory} ({exc}); set TORCH_EXTENSIONS_DIR")
+                return None
+            fresh = not any(directory.glob(f"{self.name}*.so"))
+            if fresh:
+                print(f"lazytrain: building the {self.what} into {directory} (first use only, ~30-60 s)...",
+                      file=sys.stderr, flush=True)
+            try:
+                self._module = cpp_extension.load(
+                    name=self.name,
+                    sources=[str(self.source)],
+                    extra_cflags=cflags(),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                )
+            except Exception as exc:  # noqa: BLE001
+                self._fail(f"{self.what} build failed: {str(exc).strip().splitlines()[-1][:300]}")
+                return None
+            if fresh:
+                print(f"lazytrain: {self.what} built.", file=sys.stderr, flush=True)
+            return self._module
+
+    def unavailable_reason(self) -> str | None:
+        """Why :meth:`load` returned None (None when it has not been tried or succeeded)."""
+        return self._reason

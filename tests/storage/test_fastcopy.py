@@ -1,0 +1,80 @@
+"""Streaming-store copies (lazytrain.storage.fastcopy) and the first-use C++ builder (lazytrain.cext)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lazytrain.cext import Extension
+from lazytrain.storage import fastcopy
+from lazytrain.storage.aligned_io import aligned_empty
+
+
+def _ext_or_skip():
+    if not fastcopy.available():
+        pytest.skip(f"streaming-copy kernel unavailable: {fastcopy._EXT.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, (1 << 20) + 1, (3 << 20) + 255, 5_000_011])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (0, 7), (63, 65)])
+def test_stream_copy_equals_the_source_and_touches_nothing_else(nbytes, dst_off, src_off):
+    """Unaligned heads, 256-byte streaming steps and odd tails over several 1 MiB pieces: the
+    destination equals the source byte for byte, and the bytes around it are untouched."""
+    _ext_or_skip()
+    g = torch.Generator().manual_seed(nbytes + dst_off)
+    src = torch.randint(0, 256, (nbytes + 128,), dtype=torch.uint8, generator=g)
+    dst = torch.full((nbytes + 128,), 0xA5, dtype=torch.uint8)
+    fastcopy.copy_into(dst[dst_off:dst_off + nbytes], src[src_off:src_off + nbytes])
+    assert torch.equal(dst[dst_off:dst_off + nbytes], src[src_off:src_off + nbytes])
+    assert dst[:dst_off].eq(0xA5).all() and dst[dst_off + nbytes:].eq(0xA5).all()
+
+
+def test_typed_views_of_aligned_buffers_copy_as_bytes():
+    """How the streamer calls it: bf16 views of 4 KiB-aligned byte buffers."""
+    _ext_or_skip()
+    n = 700_001
+    src = aligned_empty(2 * n + 2).view(torch.bfloat16)[:n]
+    src.copy_(torch.randn(n).bfloat16())
+    dst = aligned_empty(2 * n + 2).view(torch.bfloat16)[:n]
+    fastcopy.copy_into(dst, src)
+    assert torch.equal(dst, src)
+
+
+def test_what_the_kernel_does_not_take_falls_back_to_copy_():
+    """A dtype cast, a non-contiguous source and a small copy go through Tensor.copy_ (same values)."""
+    src = torch.randn(600_000)
+    dst = torch.empty(600_000, dtype=torch.bfloat16)
+    fastcopy.copy_into(dst, src)
+    assert torch.equal(dst, src.bfloat16())
+    m = torch.randn(1024, 600)
+    out = torch.empty(600, 1024)
+    fastcopy.copy_into(out, m.t())
+    assert torch.equal(out, m.t())
+    small_src, small_dst = torch.arange(100.0), torch.zeros(100)
+    fastcopy.copy_into(small_dst, small_src)
+    assert torch.equal(small_dst, small_src)
+
+
+def test_the_kernel_rejects_overlap_and_size_mismatch():
+    _ext_or_skip()
+    mod = fastcopy._EXT.load()
+    buf = torch.zeros(4 << 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="overlap"):
+        mod.stream_copy(buf[1 << 20:3 << 20], buf[:2 << 20])
+    with pytest.raises(RuntimeError, match="sizes differ"):
+        mod.stream_copy(buf[:2 << 20], buf[2 << 20:(4 << 20) - 1])
+
+
+def test_extension_disabled_by_env_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAZYTRAIN_NO_CPP", "1")
+    ext = Extension("lazytrain_never_built", tmp_path / "missing.cpp", "test kernel", "the fallback")
+    assert ext.load() is None
+    assert "LAZYTRAIN_NO_CPP" in ext.unavailable_reason()
+
+
+def test_extension_without_compiler_says_why(monkeypatch, tmp_path):
+    monkeypatch.delenv("LAZYTRAIN_NO_CPP", raising=False)
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    ext = Extension("lazytrain_never_built", tmp_path / "missing.cpp", "test kernel", "the fallback")
+    assert ext.load() is None
+    assert "no-such-compiler-xyz" in ext.unavailable_reason() and "test kernel" in ext.unavailable_reason()
