@@ -313,7 +313,7 @@ class ActivationStore:
                 if rec.read is None:
                     self._fetch_nvme(rec)
                 buf = rec.read.result()
-                flat = typed(buf, rec.dtype, rec.nbytes // torch.empty((), dtype=rec.dtype).element_size())
+                flat = typed(buf, rec.dtype, rec.nbytes // rec.dtype.itemsize)
                 if self.cuda:
                     start = self.trace.now()
                     dev = torch.empty(flat.numel(), dtype=rec.dtype, device=self.device)

@@ -25,7 +25,7 @@ class FlatLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def padded_nbytes(self) -> int:
@@ -55,5 +55,5 @@ class FlatLayout:
 
 def typed(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The first `numel` elements of a uint8 buffer viewed as `dtype`."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return buf[:numel * size].view(dtype)

@@ -17,10 +17,11 @@ def _ext_or_skip():
 
 @pytest.mark.parametrize("nbytes", [1 << 20, (1 << 20) + 1, (3 << 20) + 255, 5_000_011])
 @pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (0, 7), (63, 65)])
-def test_stream_copy_equals_the_source_and_touches_nothing_else(nbytes, dst_off, src_off):
+def test_stream_copy_equals_the_source_and_touches_nothing_else(nbytes, dst_off, src_off, monkeypatch):
     """Unaligned heads, 256-byte streaming steps and odd tails over several 1 MiB pieces: the
     destination equals the source byte for byte, and the bytes around it are untouched."""
     _ext_or_skip()
+    monkeypatch.setattr(fastcopy, "MIN_BYTES", 0)
     g = torch.Generator().manual_seed(nbytes + dst_off)
     src = torch.randint(0, 256, (nbytes + 128,), dtype=torch.uint8, generator=g)
     dst = torch.full((nbytes + 128,), 0xA5, dtype=torch.uint8)
@@ -29,9 +30,10 @@ def test_stream_copy_equals_the_source_and_touches_nothing_else(nbytes, dst_off,
     assert dst[:dst_off].eq(0xA5).all() and dst[dst_off + nbytes:].eq(0xA5).all()
 
 
-def test_typed_views_of_aligned_buffers_copy_as_bytes():
+def test_typed_views_of_aligned_buffers_copy_as_bytes(monkeypatch):
     """How the streamer calls it: bf16 views of 4 KiB-aligned byte buffers."""
     _ext_or_skip()
+    monkeypatch.setattr(fastcopy, "MIN_BYTES", 0)
     n = 700_001
     src = aligned_empty(2 * n + 2).view(torch.bfloat16)[:n]
     src.copy_(torch.randn(n).bfloat16())
@@ -53,6 +55,30 @@ def test_what_the_kernel_does_not_take_falls_back_to_copy_():
     small_src, small_dst = torch.arange(100.0), torch.zeros(100)
     fastcopy.copy_into(small_dst, small_src)
     assert torch.equal(small_dst, small_src)
+
+
+def test_only_large_same_dtype_contiguous_cpu_copies_take_the_kernel(monkeypatch):
+    """The dispatch: at and above MIN_BYTES the kernel runs; below it, for a cast or for a
+    non-contiguous source, copy_ does (and no build is triggered)."""
+    calls = []
+
+    class _Ext:
+        def load(self):
+            class _Mod:
+                @staticmethod
+                def stream_copy(dst, src):
+                    calls.append(dst.numel())
+                    dst.copy_(src)
+            return _Mod
+
+    monkeypatch.setattr(fastcopy, "_EXT", _Ext())
+    n = fastcopy.MIN_BYTES // 4
+    fastcopy.copy_into(torch.empty(n), torch.randn(n))
+    assert calls == [fastcopy.MIN_BYTES]
+    fastcopy.copy_into(torch.empty(n - 1), torch.randn(n - 1))
+    fastcopy.copy_into(torch.empty(n, dtype=torch.bfloat16), torch.randn(n))
+    fastcopy.copy_into(torch.empty(2, n // 2), torch.randn(n // 2, 2).t())
+    assert calls == [fastcopy.MIN_BYTES]
 
 
 def test_the_kernel_rejects_overlap_and_size_mismatch():
