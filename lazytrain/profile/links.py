@@ -3,8 +3,11 @@ and the host optimizer update the executor runs for a job.
 
 Every figure is the median of `repeats` timed transfers after one warm-up, in GB/s (decimal).
 On a CPU-only machine the "device" is the CPU itself, so host->device is a copy between two host
-buffers (what the executor pays to place a layer on the device tier); pinned memory needs CUDA and
-is reported as None there.
+buffers (what the executor pays to place a layer on the device tier), made as the executor makes it
+for a layer of at least storage.fastcopy.MIN_BYTES (16 MiB): with streaming stores. A model whose
+layers are smaller is copied with torch's copy_, ~1.3x slower, so its planned copy times are
+that much short (small copies are a small part of its step); pinned memory needs CUDA and is
+reported as None there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 import json
 import shutil
 
+import torch
 import yaml
 
 from lazytrain.cli import profile as cli
@@ -21,6 +22,22 @@ def test_copy_and_disk_rates_are_measured(tmp_path):
     assert (d.duplex_overlap is None) == (not d.direct)   # measured only where O_DIRECT works
     assert d.duplex_overlap is None or 0.0 <= d.duplex_overlap <= 1.0
     assert not list(tmp_path.iterdir())  # the probe files are removed
+
+
+def test_cpu_host_to_device_rate_is_measured_with_the_streamers_copy(monkeypatch):
+    """On a CPU device the executor fetches large host-tier layers with streaming stores
+    (storage/fastcopy); the profiled h2d rate is measured with the same copy."""
+    from lazytrain.storage import fastcopy
+
+    used = []
+
+    def counting(dst, src):
+        used.append(dst.nbytes)
+        dst.copy_(src)
+
+    monkeypatch.setattr("lazytrain.profile.links.copy_into", counting)
+    c = measure_copies(fastcopy.MIN_BYTES, repeats=1, device=torch.device("cpu"))
+    assert c.h2d_pageable_gbps > 0 and used and set(used) == {fastcopy.MIN_BYTES}
 
 
 def test_measured_drive_duplex_sets_the_planner_mode():

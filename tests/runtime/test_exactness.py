@@ -184,8 +184,9 @@ class _CountingCopies:
 @pytest.mark.parametrize("plan_name", ["all_resident", "params_host", "params_nvme"])
 def test_streaming_store_copies_keep_training_exact(plan_name, tmp_path, monkeypatch):
     """The weight fetches and write-backs that use streaming stores on a big model
-    (storage/fastcopy) leave training bit-exact: with the size floor lowered so the tiny model's
-    copies take the kernel, the pure-bf16 run still equals plain PyTorch bit for bit."""
+    (storage/fastcopy) leave training exact: with the size floor lowered so the tiny model's
+    copies take the kernel, the pure-bf16 run still equals plain PyTorch bit for bit, and fp32
+    training from the host tier (its write-back into the host store) still matches torch's AdamW."""
     from lazytrain.storage import fastcopy
 
     if not fastcopy.available():
@@ -193,5 +194,11 @@ def test_streaming_store_copies_keep_training_exact(plan_name, tmp_path, monkeyp
     counting = _CountingCopies(fastcopy._EXT)
     monkeypatch.setattr(fastcopy, "_EXT", counting)
     monkeypatch.setattr(fastcopy, "MIN_BYTES", 0)
-    test_pure_bf16_training_equals_plain_bf16_adamw("llama", plan_name, tmp_path)
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "fp32").mkdir()
+    test_pure_bf16_training_equals_plain_bf16_adamw("llama", plan_name, tmp_path / "bf16")
     assert counting.calls > 0
+    if plan_name == "params_host":   # fp32: the host store is not the master, the write-back copies
+        calls = counting.calls
+        test_twenty_steps_match_torch_adamw("llama", plan_name, None, True, "cpu", tmp_path / "fp32")
+        assert counting.calls > calls

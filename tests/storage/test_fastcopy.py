@@ -78,6 +78,18 @@ def test_only_large_same_dtype_contiguous_cpu_copies_take_the_kernel(monkeypatch
     fastcopy.copy_into(torch.empty(n - 1), torch.randn(n - 1))
     fastcopy.copy_into(torch.empty(n, dtype=torch.bfloat16), torch.randn(n))
     fastcopy.copy_into(torch.empty(2, n // 2), torch.randn(n // 2, 2).t())
+    same = torch.randn(n)
+    fastcopy.copy_into(same, same)                          # onto itself: copy_ does nothing
+    z = torch.randn(n // 2, dtype=torch.complex64)
+    out = torch.empty_like(z)
+    fastcopy.copy_into(out, z.conj())                       # a lazy conjugate: copy_ resolves it
+    assert torch.equal(out, z.conj().resolve_conj())
+    leaf = torch.zeros(n, requires_grad=True)
+    with pytest.raises(RuntimeError):                       # copy_ refuses an in-place write to a leaf
+        fastcopy.copy_into(leaf, torch.randn(n))
+    a = torch.empty(n)
+    fastcopy.copy_into(a, leaf * 1)                         # autograd records the copy
+    assert a.requires_grad
     assert calls == [fastcopy.MIN_BYTES]
 
 

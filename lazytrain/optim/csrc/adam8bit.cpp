@@ -592,8 +592,11 @@ inline float chunk_sq_sum(const G* g) {
   constexpr int64_t kAhead = 4096 / sizeof(G);
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   for (int64_t i = 0; i < kHalf; i += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(g + i + kAhead), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(g + kHalf + i + kAhead), _MM_HINT_T1);
+    // every 64-byte line once: 32 elements are two lines of fp32, one of bf16
+    for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(G)); b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(g + i + kAhead) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(g + kHalf + i + kAhead) + b, _MM_HINT_T1);
+    }
     const __m512 x0 = load_grad(g + i, 0xFFFF), x1 = load_grad(g + i + 16, 0xFFFF);
     const __m512 y0 = load_grad(g + kHalf + i, 0xFFFF), y1 = load_grad(g + kHalf + i + 16, 0xFFFF);
     a0 = _mm512_fmadd_ps(x0, x0, a0);
