@@ -109,6 +109,10 @@ def _to_pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 
 PUBLISH_IN_FLIGHT = 2   # NVMe-tier weight writes queued behind their updates at once
+# Offloaded activations on the device in backward: the layer's in use and the next one's, brought
+# back one window ahead (what the planner times and reserves: plan.simulate, plan.milp), whatever
+# the weights' prefetch_depth.
+ACT_ITEMS_AHEAD = 1
 
 
 def _check_experts_implementation(model: nn.Module, plan: Plan) -> None:
@@ -718,7 +722,7 @@ class StreamingExecutor:
             else:
                 k = 0
                 for j in range(i, -1, -1):   # bring back offloaded activations ahead of need
-                    if k >= self.plan.options.prefetch_depth:
+                    if k > ACT_ITEMS_AHEAD:
                         break
                     if not dec[j].recompute:
                         self.acts.prefetch(j)
