@@ -8,7 +8,7 @@ Variables
 - zh[j], zn[j]  reload products: block j recomputed-not-last AND streamed (from NVMe).
 - Bmax, Bblk, Bnvme, Smax  largest streamed layer, largest streamed block, largest NVMe layer,
               largest offloaded item (size the device's streaming buffers, ops.streaming_reserve;
-              the host's bounce buffers; the staging buffers).
+              the host's bounce buffers; the offloaded activation brought back ahead in backward).
               A tied head's use streams its own weights and/or the embedding's matrix, each as its
               owner's tier says (`ops.weight_parts`): linear in p, no product needed.
 - D[b]        device bytes kept by segments ending at or before boundary b.
@@ -256,9 +256,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
              "reserve_blocks")
 
     # ---- device memory --------------------------------------------------------------------
+    # Offloaded activations (simulate.memory_peaks): one item brought back ahead (at most Smax) in
+    # the head's and the backward windows, plus the segment's own item in its backward.
     base = (costs.device_static_bytes / GiB
             + pulp.lpSum(c.param_store_bytes / GiB * pv(j, "device") for j, c in enumerate(layers))
-            + R + 2 * Smax)
+            + R + Smax)
     D = [pulp.LpVariable(f"D_{b}", lowBound=0) for b in range(L + 1)]
     prob += D[0] == 0, "D_0"
     for b in range(1, L + 1):
@@ -268,7 +270,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     prob += P >= base + D[L] + head_peak_bytes(costs) / GiB, "peak_head"
     prob += P >= base + grads_in_flight(costs, 0, 0) / GiB, "peak_embed_bwd"
     for b in range(L):
-        starting = pulp.lpSum((kept[(s, e, m)] * (t == "device") + work[(s, e, m)]
+        # its kept item is on the device in its backward whatever its tier (kept there, or back)
+        starting = pulp.lpSum((kept[(s, e, m)] + work[(s, e, m)]
                                + grads_in_flight(costs, s + 1, e)) / GiB * v
                               for (s, e, m, t), v in x.items() if s == b)
         prob += P >= base + D[b] + starting, f"peak_{b}"

@@ -165,10 +165,15 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
     parts = [weight_parts(costs, j) for j in range(L + 2)]
     streamed = [sum(b for owner, b in ps if a.param_tier[owner] != "device") for ps in parts]
     from_nvme = [sum(b for owner, b in ps if a.param_tier[owner] == "nvme") for ps in parts]
+    # Offloaded activations come back in backward one item ahead (runtime.executor.ACT_ITEMS_AHEAD):
+    # a segment's own item (a stored layer's activations, a recompute segment's input boundary)
+    # and one more, at most the largest. The forward holds none; the head's window and B_0's at
+    # most the one brought back ahead.
     offloaded = [s.kept_bytes(costs) for s in a.segments if s.tier != "device"]
+    ahead = max(offloaded, default=0)
     static = (costs.device_static_bytes
               + sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "device")
-              + streaming_reserve(streamed, L, depth, costs.caches_stream_buffers) + 2 * max(offloaded, default=0))
+              + streaming_reserve(streamed, L, depth, costs.caches_stream_buffers))
     curve: list[tuple[int, int]] = [(0, static)]  # (window index, device bytes)
     held = 0
     for seg in a.segments:  # forward
@@ -177,12 +182,13 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
         for j in range(seg.s + 1, seg.e + 1):
             transient = layers[j].act_bytes if seg.mode == RECOMPUTE else 0
             curve.append((fwd_window(L, j), static + held + transient))
-    curve.append((fwd_window(L, L + 1), static + held + head_peak_bytes(costs)))
+    curve.append((fwd_window(L, L + 1), static + ahead + held + head_peak_bytes(costs)))
     for seg in reversed(a.segments):  # backward
-        curve.append((bwd_window(L, seg.e), static + held + seg.working_bytes(costs)
+        own = seg.kept_bytes(costs) if seg.tier != "device" else 0
+        curve.append((bwd_window(L, seg.e), static + ahead + own + held + seg.working_bytes(costs)
                       + grads_in_flight(costs, seg.s + 1, seg.e)))
         held -= seg.kept_bytes(costs) if seg.tier == "device" else 0
-    curve.append((bwd_window(L, 0), static + held + grads_in_flight(costs, 0, 0)))
+    curve.append((bwd_window(L, 0), static + ahead + held + grads_in_flight(costs, 0, 0)))
 
     host = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "host")
             + depth * max(from_nvme, default=0) + costs.host_static_bytes

@@ -399,3 +399,7 @@ def test_offloaded_activations_stay_within_the_plan_at_any_prefetch_depth(plan_n
     batch = random_batches(1, seed=0, batch=2, seq=128, vocab=512)
     measured = max(r.device_peak_bytes for r in steps_counting_op_temporaries(model, plan, batch, nvme_dir=tmp_path))
     assert measured <= predicted, (measured, predicted)
+    # and not far above it: the planner reserves the item in use and one more in backward (its own
+    # and one ahead), not two of the largest everywhere (then 1.17x and 1.38x here, now 1.05x and
+    # 1.15x; a recompute segment's own item is just its input boundary)
+    assert predicted <= {"acts_host": 1.08, "acts_nvme": 1.2}[plan_name] * measured, (measured, predicted)
