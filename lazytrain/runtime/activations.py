@@ -344,6 +344,10 @@ class ActivationStore:
                 self.acct.free(rec.counted, "boundary" if rec.tier == "device" else "activations_fetched")
             if rec.write is not None:
                 rec.write.result()  # surface write errors; the file is reused next micro-batch
+            # uncounted now, so gone now: whoever still holds the record (the executor's segment
+            # inputs, until the micro-batch ends) must not keep its memory alive (on CUDA the
+            # allocator's peak would see it)
+            rec.dev = rec.host = rec.read = None
         for held in la.kept_storages.values():
             self.acct.release(held)
         self._unprotect(la.kept_storages)

@@ -689,7 +689,7 @@ class StreamingExecutor:
             d = dec[i]
             if d.recompute:
                 a = d.segment_start
-                hin = self.acts.load(seg_in[a])
+                hin = self.acts.load(seg_in.pop(a))   # (its record is released with layer a)
                 mb["recomputing"] = True
                 keep = self._rng_state()
                 seg_graphs = {}
@@ -711,11 +711,15 @@ class StreamingExecutor:
                     self.trace.add("recompute", self.names[j], t, self.trace.now())
                 self._set_rng_state(keep)
                 mb["recomputing"] = False
+                # `prev` is the last recomputed layer's output but one: its graph's leaf is the
+                # segment's input, which would stay alive (on CUDA, allocated) until the next segment
                 del hin
+                prev = None
                 for j in range(i, a - 1, -1):
                     self._use_for_backward(j)
                     xj, outj = seg_graphs.pop(j)
                     g = self._bwd(j, xj, outj, g, first, last, mb)
+                    del xj, outj   # (the segment's input would stay alive until the next segment)
                     live = self._track_live(live, g)
                     self.acts.release(j)
                 i = a - 1
@@ -730,6 +734,7 @@ class StreamingExecutor:
                 self._use_for_backward(i)
                 x, out = graphs.pop(i)
                 g = self._bwd(i, x, out, g, first, last, mb)
+                del x, out
                 live = self._track_live(live, g)
                 self.acts.release(i)
                 i -= 1

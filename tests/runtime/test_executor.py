@@ -672,3 +672,53 @@ def test_lora_on_expert_weights_warns():
         warnings.simplefilter("error", UserWarning)
         StreamingExecutor(apply_lora(copy.deepcopy(model), 4, 8.0, ("q_proj", "v_proj")), hand_plan(3),
                           device="cpu").close()
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_released_layers_leave_no_fetched_activation_alive(tier, tmp_path, monkeypatch):
+    """A recompute segment's input, brought back from host/NVMe, is freed when its layer is
+    released, not only when the next segment starts: the accountant stops counting it there, and
+    on CUDA the allocator's peak would see it (a review finding: the segment's last graph kept it
+    alive through a stale local)."""
+    import gc
+    import weakref
+
+    from lazytrain.runtime import activations as acts_mod
+    from lazytrain.spec import JobSpec
+
+    fetched, alive_after = [], []
+    fetch_host, materialize, release = (acts_mod.ActivationStore._fetch_host,
+                                        acts_mod.ActivationStore._materialize,
+                                        acts_mod.ActivationStore.release)
+
+    def track(rec):
+        fetched.append((rec.layer, weakref.ref(rec.dev.untyped_storage())))
+
+    def _fetch_host(self, rec):
+        fetch_host(self, rec)
+        track(rec)
+
+    def _materialize(self, rec):
+        out = materialize(self, rec)
+        if rec.tier == "nvme" and rec.base is None and all(r() is not rec.dev.untyped_storage() for _, r in fetched):
+            track(rec)
+        return out
+
+    def _release(self, layer):
+        release(self, layer)
+        gc.collect()
+        alive_after.append((layer, [j for j, r in fetched if j >= layer and r() is not None]))
+
+    monkeypatch.setattr(acts_mod.ActivationStore, "_fetch_host", _fetch_host)
+    monkeypatch.setattr(acts_mod.ActivationStore, "_materialize", _materialize)
+    monkeypatch.setattr(acts_mod.ActivationStore, "release", _release)
+    model = tiny_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=5, dtype="bfloat16")
+    job = JobSpec(batch_size=2, seq_len=32, compute_dtype="bf16")
+    plan = hand_plan(5, job=job, activation_tier=tier, segments=[(1, 2), (3, 4)],
+                     overrides={"embed": {"activation_tier": "device"}, "head": {"activation_tier": "device"},
+                                "block.4": {"activation_tier": "device"}})
+    ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)
+    ex.train_step(random_batches(1, seed=0, batch=2, seq=32, vocab=model.config.vocab_size))
+    ex.close()
+    assert {j for j, _ in fetched} >= {1, 3}   # both segments' inputs came back
+    assert all(not alive for _, alive in alive_after), alive_after
