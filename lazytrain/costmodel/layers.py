@@ -64,9 +64,9 @@ class JobCosts:
     # a CPU device: the streamer keeps freed streaming buffers for reuse (a fresh one page-faults
     # in), one more block-sized one than it holds at once (plan.ops.streaming_reserve)
     caches_stream_buffers: bool = False
-    # blocks with routed experts: their temporaries are not fully modelled (measured up to 5% above
-    # a tight plan at 1024 tokens with 16 experts), so offloaded activations keep the larger
-    # reserve that covered them (plan.simulate.offload_reserve)
+    # blocks with routed experts: their temporaries are not fully modelled (measured up to 2% above
+    # a tight plan at 1024 tokens), so offloaded activations keep the larger reserve that covered
+    # them (plan.simulate.offload_reserve)
     routed_blocks: bool = False
 
     @property

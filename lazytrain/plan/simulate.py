@@ -157,12 +157,12 @@ def _lane(hw: HardwareSpec, resource: str) -> str:
 
 
 def offload_reserve(costs: JobCosts, largest: int) -> tuple[int, int]:
-    """Device bytes kept for offloaded activations beyond those of the window's own segment:
-    (in every window, more in the head's, B_0's and backward windows). Dense models: (0, the
-    largest item: the one brought back ahead). Models with routed experts: two of the largest in
-    every window, the reserve the planner had before it was made tight (session 9), whose slack
-    their under-modelled forward and backward temporaries need (measured up to 5% above a tight
-    plan at 1024 tokens, 16 experts)."""
+    """Device bytes reserved for offloaded activations other than a window's own segment's, as
+    (bytes in every window, bytes added in the head's, B_0's and the backward windows). Dense
+    models: (0, the largest item), the one brought back ahead. Models with routed experts: (two of
+    the largest, 0), the reserve the planner had before it was made tight (session 9), whose slack
+    their under-modelled forward and backward temporaries need (measured up to 2% above a tight
+    plan at 1024 tokens)."""
     return (2 * largest, 0) if costs.routed_blocks else (0, largest)
 
 

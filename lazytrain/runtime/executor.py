@@ -719,7 +719,7 @@ class StreamingExecutor:
                     self._use_for_backward(j)
                     xj, outj = seg_graphs.pop(j)
                     g = self._bwd(j, xj, outj, g, first, last, mb)
-                    del xj, outj   # (the segment's input would stay alive until the next segment)
+                    del xj, outj   # (nothing may keep the segment's input alive past its release)
                     live = self._track_live(live, g)
                     self.acts.release(j)
                 i = a - 1
