@@ -157,11 +157,18 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             k = max(1, spec.experts_per_token)
             bwd_tr = tokens * (2 * model.hidden_size * 4 + 3 * inter * k * cb)
             if spec.experts_per_token > 1:
-                # routed experts: the k gathered inputs' (or outputs') gradients, tokens x k x hidden,
-                # are alive at once. Without this term Mixtral-shaped blocks (32 experts, top 4,
-                # hidden 256) measured 1.3-1.7 MiB above the plan's backward windows at 1024 tokens,
-                # every layer resident (1.1% over the planned peak; a review finding).
-                bwd_tr += tokens * k * model.hidden_size * cb
+                # Routed experts: their backward holds tokens x k x hidden tensors (the gathered
+                # inputs' and outputs' gradients), up to 7 of them at once in the compute dtype at
+                # its peak, whatever the experts' width: measured with op temporaries counted
+                # (Mixtral-shaped, hidden 256-512, intermediate 128-256, 16-32 experts, top 2-8,
+                # 512-1024 tokens): 14 x k x hidden bytes per token at k >= 4, 9097 at k = 2 and
+                # hidden 256 (covered by the dense terms + 7 k x hidden x cb, 9216). Qwen3-MoE,
+                # Qwen2-MoE and OLMoE blocks hold less (hidden 256: 9481 at top 2 and 4, 14352 at
+                # top 8; hidden 512, top 4: 18194), over-covered at top 4 and 8, 3% short at top 2
+                # (the rest of their plan covers it). The old terms alone (3 x intermediate x k)
+                # gave half of Mixtral's: plans at 1024 tokens measured up to 4.9% above the plan.
+                bwd_tr = max(bwd_tr + tokens * k * model.hidden_size * cb,
+                             tokens * (2 * model.hidden_size * 4 + 7 * k * model.hidden_size * cb))
         elif spec.kind == "head":
             # The loss (HF: logits.float(), then cross-entropy = log-softmax + NLL), per token and
             # vocabulary entry: the forward holds the compute-dtype logits and their fp32 copy next
