@@ -64,10 +64,6 @@ class JobCosts:
     # a CPU device: the streamer keeps freed streaming buffers for reuse (a fresh one page-faults
     # in), one more block-sized one than it holds at once (plan.ops.streaming_reserve)
     caches_stream_buffers: bool = False
-    # blocks with routed experts: their temporaries are not fully modelled (measured up to 2% above
-    # a tight plan at 1024 tokens), so offloaded activations keep the larger reserve that covered
-    # them (plan.simulate.offload_reserve)
-    routed_blocks: bool = False
 
     @property
     def blocks(self) -> tuple[LayerCost, ...]:
@@ -226,5 +222,4 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
                       and job.master_dtype == job.compute_dtype and job.master_bytes < 4),
         grads_inline=hw.copies_share_compute,
         caches_stream_buffers=hw.device_type == "cpu",
-        routed_blocks=any(spec.experts_per_token > 1 for spec in model.layers),
     )

@@ -34,7 +34,6 @@ import pulp
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
-from .simulate import own_item_counted
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
                   grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, micro_batch_kinds,
                   op_sequence, refetch_last_kept, streaming_reserve, update_window, weight_parts)
@@ -257,13 +256,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
              "reserve_blocks")
 
     # ---- device memory --------------------------------------------------------------------
-    # Offloaded activations (simulate.memory_peaks, offload_reserve): one item brought back ahead
-    # (at most Smax) in the head's and the backward windows, plus the segment's own item in its
-    # backward; models with routed experts two of the largest instead of the one ahead.
+    # Offloaded activations (simulate.memory_peaks): one item brought back ahead (at most Smax) in
+    # the head's and the backward windows, plus the segment's own item in its backward.
     base = (costs.device_static_bytes / GiB
             + pulp.lpSum(c.param_store_bytes / GiB * pv(j, "device") for j, c in enumerate(layers))
-            + R + (2 if costs.routed_blocks else 1) * Smax)
-    own = own_item_counted(costs)
+            + R + Smax)
     D = [pulp.LpVariable(f"D_{b}", lowBound=0) for b in range(L + 1)]
     prob += D[0] == 0, "D_0"
     for b in range(1, L + 1):
@@ -273,9 +270,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     prob += P >= base + D[L] + head_peak_bytes(costs) / GiB, "peak_head"
     prob += P >= base + grads_in_flight(costs, 0, 0) / GiB, "peak_embed_bwd"
     for b in range(L):
-        # its kept item is on the device in its backward whatever its tier (kept there, or back;
-        # simulate.own_item_counted)
-        starting = pulp.lpSum((kept[(s, e, m)] * (t == "device" or own) + work[(s, e, m)]
+        # its kept item is on the device in its backward whatever its tier (kept there, or back)
+        starting = pulp.lpSum((kept[(s, e, m)] + work[(s, e, m)]
                                + grads_in_flight(costs, s + 1, e)) / GiB * v
                               for (s, e, m, t), v in x.items() if s == b)
         prob += P >= base + D[b] + starting, f"peak_{b}"

@@ -156,22 +156,6 @@ def _lane(hw: HardwareSpec, resource: str) -> str:
     return resource
 
 
-def offload_reserve(costs: JobCosts, largest: int) -> tuple[int, int]:
-    """Device bytes reserved for offloaded activations other than a window's own segment's, as
-    (bytes in every window, bytes added in the head's, B_0's and the backward windows). Dense
-    models: (0, the largest item), the one brought back ahead. Models with routed experts: (two of
-    the largest, 0), the reserve the planner had before it was made tight (session 9), whose slack
-    their under-modelled forward and backward temporaries need (measured up to 2% above a tight
-    plan at 1024 tokens)."""
-    return (2 * largest, 0) if costs.routed_blocks else (0, largest)
-
-
-def own_item_counted(costs: JobCosts) -> bool:
-    """Whether a segment's backward window counts its own offloaded item (brought back) on top of
-    offload_reserve: not where that reserve is the old two of the largest (routed experts)."""
-    return not costs.routed_blocks
-
-
 def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, int], list[tuple[int, int]]]:
     """Per-tier peak bytes and the device bytes at each op of a micro-batch."""
     layers = costs.layers
@@ -184,13 +168,12 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
     # Offloaded activations come back in backward one item ahead (runtime.executor.ACT_ITEMS_AHEAD):
     # a segment's own item (a stored layer's activations, a recompute segment's input boundary)
     # and one more, at most the largest. The forward brings none back; the head's window and
-    # B_0's hold at most the one brought back ahead. (offload_reserve: routed-expert models keep
-    # two of the largest in every window instead.)
+    # B_0's hold at most the one brought back ahead.
     offloaded = [s.kept_bytes(costs) for s in a.segments if s.tier != "device"]
-    fwd_extra, ahead = offload_reserve(costs, max(offloaded, default=0))
+    ahead = max(offloaded, default=0)
     static = (costs.device_static_bytes
               + sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "device")
-              + streaming_reserve(streamed, L, depth, costs.caches_stream_buffers) + fwd_extra)
+              + streaming_reserve(streamed, L, depth, costs.caches_stream_buffers))
     curve: list[tuple[int, int]] = [(0, static)]  # (window index, device bytes)
     held = 0
     for seg in a.segments:  # forward
@@ -199,12 +182,11 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
         for j in range(seg.s + 1, seg.e + 1):
             # a recomputed layer's forward, and an offloaded one's, has its activations on the
             # device while it computes (never above its segment's backward window: no MILP row)
-            transient = layers[j].act_bytes if seg.mode == RECOMPUTE or (
-                seg.tier != "device" and own_item_counted(costs)) else 0
+            transient = layers[j].act_bytes if seg.mode == RECOMPUTE or seg.tier != "device" else 0
             curve.append((fwd_window(L, j), static + held + transient))
     curve.append((fwd_window(L, L + 1), static + ahead + held + head_peak_bytes(costs)))
     for seg in reversed(a.segments):  # backward
-        own = seg.kept_bytes(costs) if seg.tier != "device" and own_item_counted(costs) else 0
+        own = seg.kept_bytes(costs) if seg.tier != "device" else 0
         curve.append((bwd_window(L, seg.e), static + ahead + own + held + seg.working_bytes(costs)
                       + grads_in_flight(costs, seg.s + 1, seg.e)))
         held -= seg.kept_bytes(costs) if seg.tier == "device" else 0
