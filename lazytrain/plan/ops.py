@@ -124,10 +124,17 @@ def held_into_next_cycle(final: bool, trains_base: bool) -> bool:
 
     B_0 itself reads no weights (an embedding's gradient needs only the token ids and the
     gradient of its output), so nothing is fetched for it (assumed: HF embeddings; the executor
-    warns where an embedding may read them, and then fetches them for B_0 too). The window before B_0 (B_1's) fetches
-    the next F_0's weights when they are held into the next cycle; otherwise they are fetched after
-    the update, in the last window. Either way the embedding crosses once per micro-batch."""
+    warns where an embedding may read them, and then fetches them for B_0 too). The window before
+    B_0 (B_1's) fetches the next F_0's weights when they are held into the next cycle; otherwise
+    they are fetched after the update, in the last window. Either way the embedding crosses once
+    per micro-batch."""
     return not final or not trains_base
+
+
+def fetched_early(m: int, trains_base: bool) -> bool:
+    """Whether micro-batch m's embedding was fetched by the micro-batch before it (for the first,
+    the previous step's last): `held_into_next_cycle` of that one."""
+    return held_into_next_cycle(m == 0, trains_base)
 
 
 def streaming_reserve(slots: list[int], num_blocks: int, depth: int, cached: bool = False,
@@ -161,7 +168,7 @@ def micro_batch_kinds(grad_accum: int, trains_base: bool) -> list[tuple[bool, bo
     the window of F_0 then fetches nothing (`first_block_held`)."""
     kinds: dict[tuple[bool, bool], int] = {}
     for m in range(grad_accum):
-        key = (m == grad_accum - 1, m > 0 or held_into_next_cycle(True, trains_base))
+        key = (m == grad_accum - 1, fetched_early(m, trains_base))
         kinds[key] = kinds.get(key, 0) + 1
     return [(final, held, n) for (final, held), n in kinds.items()]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ..costmodel import NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
-from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
-                  grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence,
+from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fetched_early, first_block_held,
+                  fwd_window, grad_d2h_bytes, grads_in_flight, head_peak_bytes, held_into_next_cycle, op_sequence,
                   refetch_last_kept, streaming_reserve, update_window, weight_parts)
 
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
@@ -222,8 +222,7 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
-        after_held = m > 0 or held_into_next_cycle(True, costs.trains_base)   # (ops.micro_batch_kinds)
-        windows = _window_items(costs, a, hw, final, depth, after_held)
+        windows = _window_items(costs, a, hw, final, depth, fetched_early(m, costs.trains_base))
         for k, items in enumerate(windows):
             cursor: dict[str, float] = defaultdict(lambda: t)
             for res, kind, layer, what, amount in items:

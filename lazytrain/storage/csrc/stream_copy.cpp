@@ -78,9 +78,6 @@ void stream_copy(at::Tensor dst, const at::Tensor& src) {
   });
 }
 
-bool streaming_stores() { return LT_NT != 0; }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_copy", &stream_copy, "copy between CPU byte buffers with non-temporal stores");
-  m.def("streaming_stores", &streaming_stores, "whether non-temporal stores were compiled in");
 }
