@@ -689,6 +689,7 @@ class StreamingExecutor:
             d = dec[i]
             if d.recompute:
                 a = d.segment_start
+                self._prefetch_acts(i)
                 hin = self.acts.load(seg_in.pop(a))   # (its record is released with layer a)
                 mb["recomputing"] = True
                 keep = self._rng_state()
@@ -724,13 +725,7 @@ class StreamingExecutor:
                     self.acts.release(j)
                 i = a - 1
             else:
-                k = 0
-                for j in range(i, -1, -1):   # bring back offloaded activations ahead of need
-                    if k > ACT_ITEMS_AHEAD:
-                        break
-                    if not dec[j].recompute:
-                        self.acts.prefetch(j)
-                        k += 1
+                self._prefetch_acts(i)
                 self._use_for_backward(i)
                 x, out = graphs.pop(i)
                 g = self._bwd(i, x, out, g, first, last, mb)
@@ -743,6 +738,18 @@ class StreamingExecutor:
         self.acct.free(sum(mb["rl_bytes"].values()), "router_logits")
         aux = mb.get("aux")
         return float(mb["loss"]), (float(aux) if aux is not None else None)
+
+    def _prefetch_acts(self, i: int) -> None:
+        """Backward is at layer i: start bringing back the offloaded activations of the item in
+        use and of the next ACT_ITEMS_AHEAD items. An item is a stored layer (what it saved) or a
+        recompute segment (its input, saved under its first layer), in backward order."""
+        dec = self.decisions
+        j, k = i, 0
+        while j >= 0 and k <= ACT_ITEMS_AHEAD:
+            start = dec[j].segment_start if dec[j].recompute else j
+            self.acts.prefetch(start)
+            k += 1
+            j = start - 1
 
     @property
     def count_op_temporaries(self) -> bool:

@@ -424,3 +424,38 @@ def test_routed_expert_plan_with_offloaded_activations_stays_within_the_plan_at_
     batch = random_batches(1, seed=0, batch=2, seq=512, vocab=1024)
     measured = max(r.device_peak_bytes for r in steps_counting_op_temporaries(model, plan, batch, nvme_dir=tmp_path))
     assert measured <= predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_recompute_segment_input_is_brought_back_one_item_ahead(tier, tmp_path, monkeypatch):
+    """A recompute segment's offloaded input is one backward item, like a stored layer's
+    activations: it starts coming back while the item before it (here the head) runs backward,
+    as the planner times it, not on demand when the segment's recompute begins. The measured
+    peak stays within the plan."""
+    from lazytrain.runtime.activations import ActivationStore
+    from lazytrain.spec import JobSpec
+
+    model = tiny_model("llama", hidden_size=64, intermediate_size=128, vocab_size=128, dtype="bfloat16")
+    job = JobSpec(batch_size=2, seq_len=64, compute_dtype="bf16")
+    # layers: embed 0, blocks 1-3, head 4; blocks 2-3 recomputed, their input saved on `tier`
+    plan = hand_plan(3, job=job, hardware=hardware_for_tests(), activation_tier=tier, segments=[(2, 3)])
+    order: list[tuple[str, int]] = []
+    prefetch, bwd = ActivationStore.prefetch, StreamingExecutor._bwd
+
+    def spy_prefetch(self, layer):
+        if any(r.dev is None and r.read is None and r.tier != "device"
+               for r in getattr(self.layers.get(layer), "recs", [])):
+            order.append(("fetch", layer))
+        return prefetch(self, layer)
+
+    def spy_bwd(self, i, *a, **k):
+        order.append(("bwd", i))
+        return bwd(self, i, *a, **k)
+
+    monkeypatch.setattr(ActivationStore, "prefetch", spy_prefetch)
+    monkeypatch.setattr(StreamingExecutor, "_bwd", spy_bwd)
+    predicted = planned_device_peak(model, plan)
+    batch = random_batches(1, seed=0, batch=2, seq=64, vocab=128)
+    res = steps_counting_op_temporaries(model, plan, batch, steps=1, nvme_dir=tmp_path)
+    assert order.index(("fetch", 2)) < order.index(("bwd", 4)), order
+    assert res[0].device_peak_bytes <= predicted, (res[0].device_peak_bytes, predicted)
