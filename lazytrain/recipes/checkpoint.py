@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..storage.aligned_io import DiskIOError
@@ -175,56 +176,106 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_path(ckpt_root)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
+        # (safetensors reports a full disk as its own SafetensorError, not an OSError)
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, DiskIOError):
             raise
-        raise DiskIOError(e.errno, f"write checkpoint {tmp} ({e.strerror}); the last checkpoint "
-                                   f"is intact") from e
+        why = e.strerror if isinstance(e, OSError) else str(e).strip()
+        raise DiskIOError(getattr(e, "errno", 0) or 0,
+                          f"write checkpoint {tmp} ({why}); the last checkpoint is intact") from e
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)   # e.g. the engine failed while streaming its state
         raise
     if main:
         atomic_write_text(ckpt_root / LATEST, final.name + "\n")
-        _prune(ckpt_root, keep_last)
+        _prune(ckpt_root, keep_last, keep=final)
     sync()
     return final
 
 
-def _prune(ckpt_root: Path, keep_last: int) -> None:
+def step_dirs(ckpt_root: Path) -> list[Path]:
+    """The `step_<N>` checkpoint dirs under `ckpt_root`, oldest step first (by number: names
+    sort wrongly past step 999999)."""
+    found = []
+    for p in ckpt_root.glob("step_*"):
+        tail = p.name[len("step_"):]
+        if tail.isdigit() and p.is_dir():
+            found.append((int(tail), p))
+    return [p for _, p in sorted(found)]
+
+
+def _prune(ckpt_root: Path, keep_last: int, keep: Path) -> None:
+    """Remove all but the newest `keep_last` checkpoints; never `keep` (the one just written,
+    which `latest` names)."""
     if keep_last <= 0:
         return
-    dirs = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-    for old in dirs[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in step_dirs(ckpt_root)[:-keep_last]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint dir, or None."""
+    """The newest complete checkpoint dir, or None.
+
+    That is the one `latest` names. If `latest` is missing, unreadable or names a dir that is
+    gone, it is the highest-numbered `step_*` dir holding its state.json: a dir is renamed into
+    place only once every file in it is written, so such a dir is complete."""
     ptr = ckpt_root / LATEST
-    if not ptr.is_file():
-        return None
-    d = ckpt_root / ptr.read_text().strip()
-    return d if (d / "state.json").is_file() else None
+    try:
+        d = ckpt_root / ptr.read_text(encoding="utf-8").strip()
+        if d.parent == ckpt_root and d.name.startswith("step_") and (d / "state.json").is_file():
+            return d
+    except (OSError, UnicodeDecodeError):
+        pass
+    complete = [p for p in step_dirs(ckpt_root) if (p / "state.json").is_file()]
+    return complete[-1] if complete else None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:   # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise DiskIOError(getattr(e, "errno", 0) or 0, f"read checkpoint file {path}: {e}; the "
+                          f"checkpoint is damaged (remove {path.parent} to resume from the one "
+                          f"before it)") from e
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise DiskIOError(getattr(e, "errno", 0) or 0, f"read checkpoint file {path}: {e}; the "
+                          f"checkpoint is damaged (remove {path.parent} to resume from the one "
+                          f"before it)") from e
 
 
 def read_state(ckpt_dir: Path) -> dict[str, Any]:
     """The checkpoint's state.json, without touching any RNG."""
-    return json.loads((ckpt_dir / "state.json").read_text())
+    return _read_json(ckpt_dir / "state.json")
 
 
 def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[dict[str, Any], Mapping[str, torch.Tensor] | None]:
-    """(state json, engine tensors or None); restores the global RNG states (this rank's)."""
-    state = json.loads((ckpt_dir / "state.json").read_text())
+    """(state json, engine tensors or None); restores the global RNG states (this rank's).
+    A damaged or unreadable file raises DiskIOError naming it."""
+    state = _read_json(ckpt_dir / "state.json")
     if rank and (ckpt_dir / f"rng-rank{rank}.safetensors").is_file():
-        set_rng_state(load_file(str(ckpt_dir / f"rng-rank{rank}.safetensors")),
-                      json.loads((ckpt_dir / f"rng-rank{rank}.json").read_text()))
+        rng_t, rng_js = (_read_tensors(ckpt_dir / f"rng-rank{rank}.safetensors"),
+                         _read_json(ckpt_dir / f"rng-rank{rank}.json"))
     else:
-        set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), state["rng"])
+        rng_t, rng_js = _read_tensors(ckpt_dir / "rng.safetensors"), state.get("rng")
     eng = ckpt_dir / "engine.safetensors"
+    tensors: Mapping[str, torch.Tensor] | None
     if eng.is_file():
-        return state, load_file(str(eng))
-    shards = sorted(ckpt_dir.glob("engine-*.safetensors"))
-    return state, (ShardedTensors(shards) if shards else None)
+        tensors = _read_tensors(eng)
+    else:
+        shards = sorted(ckpt_dir.glob("engine-*.safetensors"))
+        tensors = ShardedTensors(shards) if shards else None
+    try:   # (after every read: a damaged file leaves the RNG states as they were)
+        set_rng_state(rng_t, rng_js)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise DiskIOError(0, f"restore the RNG states saved in {ckpt_dir}: {e}; the checkpoint is "
+                             f"damaged (remove {ckpt_dir} to resume from the one before it)") from e
+    return state, tensors

@@ -11,6 +11,7 @@ typed arguments.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
 
 from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
@@ -29,6 +31,7 @@ from ..models.lora import apply_lora
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
+from ..storage.aligned_io import DiskIOError
 from . import checkpoint as ckpt
 from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
 from ..plan import InfeasiblePlanError, plan_job
@@ -164,10 +167,17 @@ def preflight(cfg: DictConfig) -> Preflight:
     mspec = model_spec(cfg)
     if cfg.model.get("path"):
         p = Path(str(cfg.model.path)).expanduser()
-        if not any(p.glob("*.safetensors")):
+        weights = sorted(p.glob("*.safetensors"))
+        if not weights:
             raise ConfigError(f"model.path {p} holds no *.safetensors weights")
+        check_safetensors(weights)
     hw = hardware_spec(cfg)
     job, max_steps = job_spec_of(cfg)
+    for what in ("compute_dtype", "master_dtype"):
+        if getattr(job, what) not in TORCH_DTYPES:
+            raise ConfigError(f"job.{what}={getattr(job, what)} cannot train; valid: "
+                              f"{', '.join(sorted(TORCH_DTYPES))}")
+    optim_settings(cfg)
     if job.seq_len > mspec.max_position_embeddings:
         raise ConfigError(f"job.seq_len={job.seq_len} is longer than the model allows "
                           f"(max_position_embeddings={mspec.max_position_embeddings})")
@@ -202,6 +212,44 @@ def preflight(cfg: DictConfig) -> Preflight:
     return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds)
 
 
+def check_safetensors(files: list[Path]) -> None:
+    """Each weights file opens as safetensors (its header only is read): a damaged download is
+    reported before anything is written."""
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConfigError(f"model.path: {f} is not a readable safetensors file "
+                              f"({str(e).strip().splitlines()[0]})") from None
+
+
+def optim_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The optimizer's settings as numbers (lr, betas, eps, weight_decay, max_grad_norm), or a
+    ConfigError naming the one that is not; checked in preflight."""
+    o = cfg.optim
+
+    def num(name: str, v: Any) -> float:
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"optim.{name} must be a number, got {v!r}") from None
+
+    betas = o.betas
+    if not isinstance(betas, (list, tuple)) and not OmegaConf.is_list(betas) or len(betas) != 2:
+        raise ConfigError(f"optim.betas must be two numbers, got {betas!r}")
+    num("min_lr_ratio", o.get("min_lr_ratio", 0))
+    try:
+        int(o.get("warmup_steps", 0))
+    except (TypeError, ValueError):
+        raise ConfigError(f"optim.warmup_steps must be a whole number, got {o.get('warmup_steps')!r}") from None
+    return dict(lr=num("lr", o.lr), betas=tuple(num("betas", b) for b in betas), eps=num("eps", o.eps),
+                weight_decay=num("weight_decay", o.weight_decay),
+                max_grad_norm=None if o.max_grad_norm is None else num("max_grad_norm", o.max_grad_norm))
+
+
 def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: int) -> torch.nn.Module:
     """The HF causal LM: from a local dir, else random init (seeded) from the config; LoRA-wrapped."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -210,7 +258,7 @@ def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: in
         p = Path(model_path).expanduser()
         try:
             model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, local_files_only=True)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:
             raise ConfigError(f"cannot load the model in {p}: {str(e).splitlines()[0]}") from None
     else:
         hf = dict(mspec.hf_config)
@@ -235,10 +283,7 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, max_steps: int, min_lr_r
 
 
 def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: Path, nvme_dir: Path):
-    o = cfg.optim
-    common = dict(lr=float(o.lr), betas=tuple(float(b) for b in o.betas), eps=float(o.eps),
-                  weight_decay=float(o.weight_decay),
-                  max_grad_norm=None if o.max_grad_norm is None else float(o.max_grad_norm))
+    common = optim_settings(cfg)
     # one setting, planned and run alike: the job's optimizer-state precision picks the optimizer
     optimizer = "adamw8bit" if pre.job.optimizer_state_bits == 8 else "adamw"
     device = torch.device("cuda") if pre.hardware.device_type == "cuda" and torch.cuda.is_available() \
@@ -260,10 +305,24 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
                        optimizer=optimizer, master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
 
 
+def job_identity(cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> dict[str, Any]:
+    """What a checkpoint records of its job and a resumed run must match: engine, mode, seed, data,
+    the optimizer-state and weight precisions (the engine's state differs in layout), and the model
+    architecture (a hash of its config, without paths and version stamps)."""
+    arch = {k: v for k, v in pre.model.hf_config.items()
+            if not k.startswith("_") and k not in ("transformers_version", "torch_dtype", "dtype",
+                                                   "use_cache", "architectures", "name_or_path")}
+    digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
+            "dataset": {"sequences": len(ds), "seq_len": ds.seq_len},
+            "optimizer_state_bits": pre.job.optimizer_state_bits, "master_dtype": pre.job.master_dtype,
+            "compute_dtype": pre.job.compute_dtype, "model_config": digest}
+
+
 def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:
-    """A checkpoint continues only the same job: engine, mode, seed and data."""
-    want = {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
-            "dataset": {"sequences": len(ds), "seq_len": ds.seq_len}}
+    """A checkpoint continues only the same job (`job_identity`; keys an older checkpoint lacks
+    are not compared)."""
+    want = job_identity(cfg, ds, pre)
     for k, v in want.items():
         if k in state and state[k] != v:
             raise ConfigError(f"cannot resume: the checkpoint was written with {k}={state[k]}, this run has "
@@ -285,10 +344,15 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
     if int(state.get("world_size", 1)) != ranks.world:
         raise ConfigError(f"cannot resume: {last} was written by {state.get('world_size', 1)} processes, "
                           f"this run has {ranks.world}; the data order per step would differ")
-    if isinstance(engine, DeepSpeedEngine):
-        engine.load(last / "engine")
-    else:
-        engine.load_state_dict(tensors)
+    try:
+        if isinstance(engine, DeepSpeedEngine):
+            engine.load(last / "engine")
+        else:
+            engine.load_state_dict(tensors)
+    except (KeyError, ValueError, RuntimeError) as e:   # (DiskIOError, an OSError, passes through)
+        raise ConfigError(f"cannot resume from {last}: its engine state does not fit this run "
+                          f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
+                          f"use the settings it was written with or a new output_dir") from None
     echo(f"resumed from {last} (step {state['step']}, data position {state['data_position']})")
     return int(state["step"]), int(state["data_position"])
 
@@ -355,6 +419,13 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         echo = _silent
     pre = pre or preflight(cfg)
     out = Path(output_dir).expanduser()
+    if not cfg.resume and ranks.main:
+        found = ckpt.latest_checkpoint(out / "checkpoints")
+        if found is not None:
+            # a fresh run would overwrite its metrics and prune its checkpoints
+            raise ConfigError(f"output_dir {out} holds checkpoints of an earlier run (the latest: "
+                              f"{found.name}); resume=true continues it, a new run needs another "
+                              f"output_dir (or remove {out / 'checkpoints'})")
     out.mkdir(parents=True, exist_ok=True)
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
@@ -392,9 +463,8 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     step = start_step
 
     def save(step_done: int) -> None:
-        state = {"data_position": position, "engine": str(cfg.engine), "plan_hash": pre.plan.input_hash,
-                 "max_steps": max_steps, "seed": seed, "mode": pre.job.mode,
-                 "dataset": {"sequences": len(ds), "seq_len": ds.seq_len}}
+        state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
+                 **job_identity(cfg, ds, pre)}
         if isinstance(engine, DeepSpeedEngine):
             ckpt.save_checkpoint(ckpt_root, step_done, state,
                                  engine_writer=lambda d: engine.save(d, {"step": step_done}),
@@ -448,13 +518,13 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
 
     # ---- save ---------------------------------------------------------------------------------
     final_dir = None
-    if step == max_steps and cfg.save_final_model:
-        engine.sync_model()
-        final_dir = out / "final"
-        save_final_model(engine, tokenizer, final_dir, ranks)
-
-    # ---- cleanup ------------------------------------------------------------------------------
-    engine.close()
+    try:
+        if step == max_steps and cfg.save_final_model:
+            engine.sync_model()
+            final_dir = out / "final"
+            save_final_model(engine, tokenizer, final_dir, ranks)
+    finally:
+        engine.close()
     summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run)
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
@@ -487,17 +557,26 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
     tmp = final_dir.with_name(final_dir.name + ".tmp")
     if ranks.main:
         shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(engine, DeepSpeedEngine):
-        engine.save_pretrained(tmp, write=ranks.main)   # a collective gather on every rank
-    else:
-        engine.model.save_pretrained(str(tmp), safe_serialization=True)
-    ranks.barrier()
-    if not ranks.main:
-        return
-    tokenizer.save_pretrained(str(tmp))
-    ckpt.fsync_tree(tmp)
-    shutil.rmtree(final_dir, ignore_errors=True)
-    os.replace(tmp, final_dir)
+    try:
+        if isinstance(engine, DeepSpeedEngine):
+            engine.save_pretrained(tmp, write=ranks.main)   # a collective gather on every rank
+        else:
+            engine.model.save_pretrained(str(tmp), safe_serialization=True)
+        ranks.barrier()
+        if not ranks.main:
+            return
+        tokenizer.save_pretrained(str(tmp))
+        ckpt.fsync_tree(tmp)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp, final_dir)
+    except (OSError, SafetensorError) as e:   # (safetensors reports a full disk as its own error)
+        if ranks.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, DiskIOError):
+            raise
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip()
+        raise DiskIOError(getattr(e, "errno", 0) or 0, f"write the final model {tmp} ({why}); the "
+                          f"last checkpoint is intact") from e
 
 
 def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: int,

@@ -359,3 +359,43 @@ def test_chunked_loss_job(base_overrides, tmp_path, capsys):
         assert json.loads((out / "plan.json").read_text())["job"]["loss_chunk_tokens"] == chunk
         recs[chunk] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert recs[16][0]["loss"] == pytest.approx(recs[0][0]["loss"], rel=1e-5)
+
+
+def test_unusable_dtypes_optim_values_and_damaged_weights(base_overrides, tmp_path, capsys):
+    """Caught in preflight, before anything is written: a precision the planner knows but training
+    cannot use, an optimizer setting that is not a number, a weights file that is not safetensors."""
+    _bad(capsys, [*base_overrides, "job.compute_dtype=fp8"], tmp_path, "job.compute_dtype=fp8 cannot train")
+    _bad(capsys, [*base_overrides, "optim.lr=abc"], tmp_path, "optim.lr must be a number, got 'abc'")
+    _bad(capsys, [*base_overrides, "optim.betas=[0.9]"], tmp_path, "optim.betas must be two numbers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lazytrain.cli.config import load_config
+    from lazytrain.recipes.train import model_spec
+
+    hf = dict(model_spec(load_config(base_overrides, config_name="train")).hf_config)
+    model_dir = tmp_path / "model"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf)).save_pretrained(model_dir)
+    weights = next(model_dir.glob("*.safetensors"))
+    weights.write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00{}")   # a header that is too small
+    capsys.readouterr()   # (save_pretrained's progress bar)
+    _bad(capsys, [*base_overrides, f"model.path={model_dir}"], tmp_path,
+         f"{weights} is not a readable safetensors file")
+
+
+def test_final_model_on_a_full_disk_names_the_file(base_overrides, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError: the run still says which file
+    and operation failed (exit 1, no traceback), leaves no half-written final dir behind, and the
+    last checkpoint stays intact."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    def full(self, *a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=2", f"output_dir={out}"], capsys)
+    assert rc == 1, io.err
+    assert "disk error:" in io.err and "write the final model" in io.err and "final.tmp" in io.err
+    assert "No space left on device" in io.err and "Traceback" not in io.err
+    assert not (out / "final.tmp").exists() and not (out / "final").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"

@@ -113,3 +113,73 @@ def test_resume_refuses_a_different_job(base_overrides, tmp_path):
     _run([*base_overrides, "job.max_steps=3"], out, "stop_at_step=1")
     with pytest.raises(ConfigError, match="cannot resume: the checkpoint was written with dataset="):
         _run([*base_overrides, "job.max_steps=3", "job.seq_len=16"], out, "resume=true")
+
+
+def test_prune_keeps_the_new_checkpoint_and_orders_by_step_number(tmp_path):
+    """The newest `keep_last` by step number are kept (names sort wrongly past step 999999), and
+    never is the one just written removed, whatever older dirs lie around."""
+    root = tmp_path / "ck"
+    for s in (999998, 999999, 1000000):
+        ckpt.save_checkpoint(root, s, {"data_position": s}, engine_tensors={"w": torch.ones(1)}, keep_last=2)
+    assert [p.name for p in ckpt.step_dirs(root)] == ["step_999999", "step_1000000"]
+    assert ckpt.latest_checkpoint(root).name == "step_1000000"
+    other = tmp_path / "other"
+    for s in (5, 6, 2):   # step 2 written after higher-numbered ones
+        ckpt.save_checkpoint(other, s, {"data_position": s}, engine_tensors={"w": torch.ones(1)}, keep_last=2)
+    assert ckpt.latest_checkpoint(other).name == "step_000002"
+    assert (other / "step_000002" / "state.json").is_file()
+
+
+@pytest.mark.parametrize("latest", [None, "step_000009\n", b"\xff\xfe", "../elsewhere\n"])
+def test_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, latest):
+    """A missing, dangling or garbled `latest` does not send a resume back to step 0 while
+    complete checkpoints exist: the highest-numbered dir with its state.json is used."""
+    root = tmp_path / "ck"
+    for s in (1, 2):
+        ckpt.save_checkpoint(root, s, {"data_position": s}, engine_tensors={"w": torch.ones(1)})
+    (root / ".step_000003.tmp").mkdir()           # an interrupted write: not a checkpoint
+    (root / "step_000004").mkdir()                # no state.json: not complete
+    ptr = root / "latest"
+    if latest is None:
+        ptr.unlink()
+    else:
+        ptr.write_bytes(latest if isinstance(latest, bytes) else latest.encode())
+    assert ckpt.latest_checkpoint(root).name == "step_000002"
+    assert ckpt.latest_checkpoint(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("damage", ["state.json", "rng.safetensors", "engine.safetensors"])
+def test_damaged_checkpoint_file_is_named_and_rng_is_untouched(tmp_path, damage):
+    root = tmp_path / "ck"
+    last = ckpt.save_checkpoint(root, 1, {"data_position": 1}, engine_tensors={"w": torch.ones(4)})
+    f = last / damage
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])   # truncated
+    torch.manual_seed(5)
+    expect = torch.get_rng_state()
+    with pytest.raises(OSError, match=rf"read checkpoint file .*{damage}.*damaged"):
+        ckpt.load_checkpoint(last)
+    assert torch.equal(torch.get_rng_state(), expect)
+
+
+def test_fresh_run_refuses_a_dir_with_checkpoints(base_overrides, tmp_path):
+    """Without resume=true a new run in an output_dir that holds another run's checkpoints would
+    overwrite its metrics and prune its checkpoints: it is refused, and nothing there changes."""
+    from lazytrain.cli.config import ConfigError
+    out = tmp_path / "r"
+    _run([*base_overrides, "job.max_steps=3"], out, "stop_at_step=2")
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run.*step_000002.*resume=true"):
+        _run([*base_overrides, "job.max_steps=3"], out)
+    assert (out / "metrics.jsonl").read_text() == before
+    assert ckpt.latest_checkpoint(out / "checkpoints").name == "step_000002"
+
+
+def test_resume_refuses_another_optimizer_precision(base_overrides, tmp_path):
+    """The engine's state layout follows the optimizer-state precision: a run with another one is
+    refused with the reason, before any state is loaded."""
+    from lazytrain.cli.config import ConfigError
+    ov = [*base_overrides, "job.max_steps=3", "engine=lazytrain", *SMALL_BUDGET]
+    out = tmp_path / "r"
+    _run(ov, out, "stop_at_step=1")
+    with pytest.raises(ConfigError, match="cannot resume: the checkpoint was written with optimizer_state_bits=32"):
+        _run([*ov, "job.optimizer_state_bits=8"], out, "resume=true")
