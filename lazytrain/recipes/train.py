@@ -11,7 +11,6 @@ typed arguments.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -312,18 +311,28 @@ def job_identity(cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> dict[str
     arch = {k: v for k, v in pre.model.hf_config.items()
             if not k.startswith("_") and k not in ("transformers_version", "torch_dtype", "dtype",
                                                    "use_cache", "architectures", "name_or_path")}
-    digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
             "dataset": {"sequences": len(ds), "seq_len": ds.seq_len},
             "optimizer_state_bits": pre.job.optimizer_state_bits, "master_dtype": pre.job.master_dtype,
-            "compute_dtype": pre.job.compute_dtype, "model_config": digest}
+            "compute_dtype": pre.job.compute_dtype,
+            "model_config": json.loads(json.dumps(arch, sort_keys=True, default=str))}
 
 
 def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:
     """A checkpoint continues only the same job (`job_identity`; keys an older checkpoint lacks
     are not compared)."""
     want = job_identity(cfg, ds, pre)
+    saved = state.get("model_config")
+    if isinstance(saved, dict) and saved != want["model_config"]:
+        now = want["model_config"]
+        diff = [f"{k} {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}"
+                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        raise ConfigError(f"cannot resume: the checkpoint was written for another model "
+                          f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}); use the same "
+                          f"model or a new output_dir")
     for k, v in want.items():
+        if k == "model_config":
+            continue
         if k in state and state[k] != v:
             raise ConfigError(f"cannot resume: the checkpoint was written with {k}={state[k]}, this run has "
                               f"{k}={v}; use the same settings or a new output_dir")

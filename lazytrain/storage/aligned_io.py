@@ -34,7 +34,13 @@ def is_aligned(t: torch.Tensor, align: int = ALIGN_BYTES) -> bool:
 
 
 class DiskIOError(OSError):
-    """An I/O failure that names the file and the operation."""
+    """An I/O failure that names the file and the operation. Errno 0 (a damaged file, not a
+    failed system call) is left out of the message."""
+
+    def __str__(self) -> str:
+        if self.errno == 0 and self.strerror:
+            return self.strerror
+        return super().__str__()
 
 
 class DirectFile:

@@ -183,3 +183,11 @@ def test_resume_refuses_another_optimizer_precision(base_overrides, tmp_path):
     _run(ov, out, "stop_at_step=1")
     with pytest.raises(ConfigError, match="cannot resume: the checkpoint was written with optimizer_state_bits=32"):
         _run([*ov, "job.optimizer_state_bits=8"], out, "resume=true")
+
+
+def test_resume_refuses_another_model_and_names_what_differs(base_overrides, tmp_path):
+    from lazytrain.cli.config import ConfigError
+    out = tmp_path / "r"
+    _run([*base_overrides, "job.max_steps=3"], out, "stop_at_step=1")
+    with pytest.raises(ConfigError, match=r"written for another model \(intermediate_size \d+ -> 96\)"):
+        _run([*base_overrides, "job.max_steps=3", "model.hf_config.intermediate_size=96"], out, "resume=true")
