@@ -44,6 +44,13 @@ from lazytrain.optim.kernel_torch import HYPER_FIELDS
 
 STATE_FORMAT = "lazytrain-adamw8bit-v1"
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+# torch.optim.AdamW group options this optimizer does not implement; a group asking for them is
+# an error rather than silently plain AdamW.
+_UNSUPPORTED_GROUP_OPTIONS = ("amsgrad", "maximize")
+# Attributes beyond torch's defaults/state/param_groups that a pickled or deep-copied optimizer
+# needs; the per-device tables and the param -> group cache are rebuilt on demand instead.
+_PICKLED_SETTINGS = ("max_grad_norm", "block_size", "min_8bit_numel", "backend", "skipped_steps")
+_CACHES = ("_tables", "_compiled_tables", "_owner")
 
 
 _f32 = kernel_torch.f32
@@ -103,7 +110,21 @@ class AdamW8bit(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._tables: dict[torch.device, kernel_torch.Tables] = {}
         self._compiled_tables: dict[torch.device, kernel_compiled.DeviceTables] = {}
-        self._owner: dict[int, tuple[torch.Tensor, int]] = {}
+        self._owner: dict[int, tuple[int, int]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's keeps only defaults, state and param_groups: a deep copy or unpickled optimizer
+        would lack the settings that ``step`` reads."""
+        state = super().__getstate__()
+        state.update((k, getattr(self, k)) for k in _PICKLED_SETTINGS)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling: caches start empty. torch's ``load_state_dict`` also calls this (with only
+        state and param_groups); the settings and caches already there then stay."""
+        super().__setstate__(state)
+        for k in _CACHES:
+            self.__dict__.setdefault(k, {})
 
     # ------------------------------------------------------------------ kernels
     def _cpp(self, device: torch.device) -> Any | None:
@@ -163,17 +184,25 @@ class AdamW8bit(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ update
     def _group_of(self, p: torch.Tensor) -> dict:
-        # id -> (param, group index); the stored param guards against a recycled id.
+        """The group of ``p`` for :meth:`step_params`, through an id -> (group index, position)
+        cache that is checked on every use: param_groups may be reordered, popped or edited
+        between steps (schedulers and freezing code do), and a stale index would apply another
+        group's lr or fail. The check (the param really is at that position) also makes a
+        recycled id harmless."""
+        groups = self.param_groups
         entry = self._owner.get(id(p))
-        if entry is None or entry[0] is not p:
-            self._owner = {id(q): (q, i) for i, g in enumerate(self.param_groups) for q in g["params"]}
-            entry = self._owner.get(id(p))
-            if entry is None:
-                raise ValueError(
-                    f"AdamW8bit.step_params: a parameter of shape {tuple(p.shape)} does not belong "
-                    "to this optimizer"
-                )
-        return self.param_groups[entry[1]]
+        if entry is not None:
+            gi, pi = entry
+            if gi < len(groups) and pi < len(groups[gi]["params"]) and groups[gi]["params"][pi] is p:
+                return groups[gi]
+        self._owner = {id(q): (gi, pi) for gi, g in enumerate(groups) for pi, q in enumerate(g["params"])}
+        entry = self._owner.get(id(p))
+        if entry is None:
+            raise ValueError(
+                f"AdamW8bit.step_params: a parameter of shape {tuple(p.shape)} does not belong "
+                "to this optimizer"
+            )
+        return groups[entry[0]]
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -228,14 +257,17 @@ class AdamW8bit(torch.optim.Optimizer):
         ``clip_scale`` multiplies every gradient inside the fused pass (from :meth:`clip_scale`);
         None means the step is skipped (non-finite norm) and nothing is touched.
         """
+        self._step_pairs([(p, self._group_of(p)) for p in params], clip_scale)
+
+    def _step_pairs(self, pairs: list[tuple[torch.Tensor, dict]], clip_scale: float | None) -> None:
+        """Update each param with the settings of the group paired with it (see step_params)."""
         if clip_scale is None:
             return
         clip = float(clip_scale)
         if not math.isfinite(clip):
             raise ValueError(f"AdamW8bit.step_params: clip_scale must be finite, got {clip_scale}")
         work: dict[tuple[torch.device, bool], list] = defaultdict(list)
-        for p in params:
-            group = self._group_of(p)
+        for p, group in pairs:
             if p.grad is None:
                 continue
             state = self._init_state(p)
@@ -291,15 +323,28 @@ class AdamW8bit(torch.optim.Optimizer):
             if out.numel():
                 out.copy_(w)
 
-    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - torch.optim.Optimizer API
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then a check of the group as torch appended it (params normalised from a
+        tensor, an iterator or (name, tensor) pairs); a rejected group is removed again, leaving
+        the optimizer as it was."""
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
+        try:
+            self._check_group(self.param_groups[-1])
+        except TypeError:
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        for k in _UNSUPPORTED_GROUP_OPTIONS:
+            if group.get(k):
+                raise TypeError(f"AdamW8bit: param group option {k}={group[k]!r} is not supported")
+        for p in group["params"]:
             if p.dtype not in _SUPPORTED_PARAM_DTYPES:
                 raise TypeError(
                     f"AdamW8bit: parameter of dtype {p.dtype} is not supported; use float32 or "
                     "bfloat16 parameters (bf16 ones get an fp32 master copy)"
                 )
-        self._owner = {}
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer API
@@ -307,11 +352,11 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        pairs = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         scale: float | None = 1.0
         if self.max_grad_norm is not None:
-            scale = self.clip_scale(self.grad_sq_sum(params))
-        self.step_params(params, clip_scale=scale)
+            scale = self.clip_scale(self.grad_sq_sum(p for p, _ in pairs))
+        self._step_pairs(pairs, scale)
         return loss
 
     # ------------------------------------------------------------------ state
@@ -338,7 +383,19 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore states bit-exactly (torch's default would cast uint8 codes and masters to the
-        param dtype, hence this override)."""
+        param dtype, hence this override), with torch's load_state_dict pre and post hooks run as
+        torch runs them.
+
+        A state saved for a parameter of the other dtype is adapted rather than trusted: a bf16
+        parameter without a saved master gets one from its own (loaded) value, and an fp32
+        parameter drops a saved master, the parameter itself being authoritative as it would be for
+        ``torch.optim.AdamW``. Any other mismatch is an error naming the parameter.
+        """
+        state_dict = state_dict.copy()  # shallow, as torch: a pre hook may edit it in place
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
         extra = state_dict.get("lazytrain")
         if not extra or extra.get("format") != STATE_FORMAT:
             raise ValueError("AdamW8bit.load_state_dict: not an AdamW8bit state dict (missing 'lazytrain' format tag)")
@@ -355,23 +412,56 @@ class AdamW8bit(torch.optim.Optimizer):
         id_map = dict(
             zip(
                 chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in self.param_groups),
+                chain.from_iterable(
+                    ((p, self._param_name(g, gi, pi, p)) for pi, p in enumerate(g["params"]))
+                    for gi, g in enumerate(self.param_groups)
+                ),
             )
         )
         state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         for pid, saved in state_dict["state"].items():
-            p = id_map[pid]
-            restored = {}
-            for k, v in saved.items():
-                restored[k] = v.detach().clone().to(p.device) if torch.is_tensor(v) else v
-            for k in ("qm", "qv", "exp_avg", "exp_avg_sq", "master"):
-                if k in restored and restored[k].numel() != p.numel():
-                    raise ValueError(
-                        f"AdamW8bit.load_state_dict: state {k!r} has {restored[k].numel()} elements, "
-                        f"parameter has {p.numel()}"
-                    )
+            p, name = id_map[pid]
+            restored = {k: v.detach().clone().to(p.device) if torch.is_tensor(v) else v for k, v in saved.items()}
+            self._fit_loaded_state(p, restored, name)
             state[p] = restored
         groups = [dict(saved, params=cur["params"]) for saved, cur in zip(saved_groups, self.param_groups)]
         self.__setstate__({"state": state, "param_groups": groups})
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self._owner = {}
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @staticmethod
+    def _param_name(group: dict, gi: int, pi: int, p: torch.Tensor) -> str:
+        """How errors name a parameter: by its name when the group has names (named_parameters)."""
+        where = repr(group["param_names"][pi]) if "param_names" in group else f"{pi} of group {gi}"
+        return f"parameter {where} (shape {tuple(p.shape)}, {p.dtype})"
+
+    def _fit_loaded_state(self, p: torch.Tensor, s: dict, name: str) -> None:
+        """Check (and adapt across param dtypes, in place) a loaded state for ``p``: the kernels
+        take its tensors as they are, so a wrong dtype or size would fail or corrupt there."""
+        if not s:
+            return  # never stepped; _init_state fills it
+        numel, f32, u8 = p.numel(), torch.float32, torch.uint8
+        nblocks = (numel + self.block_size - 1) // self.block_size
+        if "qm" in s:
+            expected = dict(qm=(u8, numel), qv=(u8, numel), absmax_m=(f32, nblocks), absmax_v=(f32, nblocks))
+        elif "exp_avg" in s:
+            expected = dict(exp_avg=(f32, numel), exp_avg_sq=(f32, numel))
+        else:
+            raise ValueError(f"AdamW8bit.load_state_dict: {name}: state has neither 8-bit nor fp32 moments")
+        if "step" not in s:
+            raise ValueError(f"AdamW8bit.load_state_dict: {name}: state has no step count")
+        if p.dtype == torch.float32:
+            s.pop("master", None)
+        elif "master" in s:
+            expected["master"] = (f32, numel)
+        else:
+            s["master"] = p.detach().reshape(-1).float().clone()
+        for k, (dtype, size) in expected.items():
+            t = s.get(k)
+            if not (torch.is_tensor(t) and t.dtype == dtype and t.numel() == size):
+                got = f"{t.dtype} with {t.numel()} elements" if torch.is_tensor(t) else repr(t)
+                raise ValueError(
+                    f"AdamW8bit.load_state_dict: {name}: state {k!r} is {got}, expected {dtype} "
+                    f"with {size} elements"
+                )

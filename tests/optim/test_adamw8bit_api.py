@@ -1,0 +1,177 @@
+"""AdamW8bit as a torch.optim.Optimizer: copying and pickling, loading checkpoints across param
+dtypes, edits to param_groups between steps, add_param_group, load_state_dict hooks, and group
+options it does not implement."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from lazytrain.optim import AdamW8bit
+
+N = 5000  # 8-bit states with min_8bit_numel=1024 and a tail block of 8 at block_size 64
+
+
+def _param(dtype=torch.float32, seed=0, n=N):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(n, generator=g).to(dtype))
+
+
+def _grad(p, seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    return torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _torch_save_load(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize(
+    "copier",
+    [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o)), _torch_save_load],
+    ids=["deepcopy", "pickle", "torch.save"],
+)
+def test_copied_optimizer_keeps_settings_and_steps_identically(copier):
+    p = _param()
+    opt = AdamW8bit([p], lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, block_size=64, min_8bit_numel=1024)
+    p.grad = _grad(p, 0)
+    opt.step()
+    p.grad = torch.full_like(p, float("nan"))
+    opt.step()  # skipped, counted
+    p.grad = None
+    opt2 = copier(opt)
+    for k in ("max_grad_norm", "block_size", "min_8bit_numel", "backend", "skipped_steps"):
+        assert getattr(opt2, k) == getattr(opt, k), k
+    assert opt2.skipped_steps == 1
+    (q,) = opt2.param_groups[0]["params"]
+    assert q is not p and torch.equal(q, p)
+    for _ in range(2):
+        p.grad, q.grad = _grad(p, 1), _grad(p, 1)
+        opt.step(), opt2.step()
+        opt.step_params([p]), opt2.step_params([q])
+    assert torch.equal(p, q)
+    assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("qm", "qv", "absmax_m", "absmax_v"))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fp32_checkpoint_into_bf16_params_gets_a_master_from_the_params(backend):
+    p = _param(torch.float32)
+    opt = AdamW8bit([p], lr=1e-2, backend=backend, min_8bit_numel=1024)
+    p.grad = _grad(p, 0)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().bfloat16())
+    opt2 = AdamW8bit([q], lr=1e-2, backend=backend, min_8bit_numel=1024)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    master = opt2.state[q]["master"]
+    assert master.dtype == torch.float32 and torch.equal(master, q.detach().float().reshape(-1))
+    before = q.detach().clone()
+    q.grad = _grad(q, 1)
+    opt2.step()
+    assert not torch.equal(q, before)
+    assert torch.equal(q.detach().reshape(-1), opt2.state[q]["master"].bfloat16())
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_bf16_checkpoint_into_fp32_params_updates_the_params_not_the_stale_master(backend):
+    p = _param(torch.bfloat16)
+    opt = AdamW8bit([p], lr=1e-2, backend=backend, min_8bit_numel=1024)
+    p.grad = _grad(p, 0)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().float() + 0.5)  # e.g. weights restored from elsewhere
+    opt2 = AdamW8bit([q], lr=1e-2, backend=backend, min_8bit_numel=1024)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert "master" not in opt2.state[q]
+    before = q.detach().clone()
+    q.grad = _grad(q, 1)
+    opt2.step()
+    moved = (q.detach() - before).abs()
+    assert 0 < moved.max() < 0.05  # one Adam step of lr 1e-2, from the fp32 params
+
+
+def test_load_state_dict_names_the_parameter_whose_state_does_not_fit():
+    w, b = _param(seed=0), _param(seed=1, n=100)
+    opt = AdamW8bit([("layer.w", w), ("layer.b", b)], lr=1e-2, block_size=64, min_8bit_numel=1024)
+    w.grad, b.grad = _grad(w, 0), _grad(b, 0)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["absmax_m"] = sd["state"][0]["absmax_m"][:-1]
+    w2, b2 = _param(seed=0), _param(seed=1, n=100)
+    opt2 = AdamW8bit([("layer.w", w2), ("layer.b", b2)], lr=1e-2, block_size=64, min_8bit_numel=1024)
+    with pytest.raises(ValueError, match="layer.w.*absmax_m"):
+        opt2.load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][1]["exp_avg"] = sd["state"][1]["exp_avg"].bfloat16()
+    with pytest.raises(ValueError, match="layer.b.*exp_avg"):
+        opt2.load_state_dict(sd)
+
+
+def test_popping_or_reordering_param_groups_uses_each_params_own_group():
+    a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    opt = AdamW8bit([dict(params=[a], lr=0.0), dict(params=[b], lr=0.1)])
+    a.grad, b.grad = torch.ones(8), torch.ones(8)
+    opt.step()
+    opt.param_groups.pop(0)  # freeze a
+    opt.step()
+    assert torch.allclose(b.detach(), torch.full((8,), 0.8))
+
+    for entry in ("step", "step_params"):
+        a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+        opt = AdamW8bit([dict(params=[a], lr=0.0), dict(params=[b], lr=0.1)])
+        a.grad, b.grad = torch.ones(8), torch.ones(8)
+        opt.step_params([a, b])  # fills the per-layer cache
+        opt.param_groups.reverse()
+        opt.step() if entry == "step" else opt.step_params([a, b])
+        assert torch.equal(a.detach(), torch.ones(8)), entry
+        assert torch.allclose(b.detach(), torch.full((8,), 0.8)), entry
+        opt.param_groups.pop(0)  # b's group
+        with pytest.raises(ValueError, match="does not belong"):
+            opt.step_params([b])
+
+
+def test_add_param_group_rejects_unsupported_dtype_without_adding_it():
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = AdamW8bit([p], lr=0.1)
+    h = torch.nn.Parameter(torch.ones(8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="float16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(8)), h]})
+    assert len(opt.param_groups) == 1
+    q, r = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt.add_param_group({"params": (x for x in (q, r)), "lr": 0.5})  # any iterable, read once
+    assert opt.param_groups[1]["params"] == [q, r]
+
+
+def test_load_state_dict_runs_pre_and_post_hooks():
+    p = _param(n=64)
+    opt = AdamW8bit([p], lr=0.1)
+    p.grad = _grad(p, 0)
+    opt.step()
+    calls = []
+
+    def pre(o, sd):
+        assert o is opt
+        calls.append("pre")
+        sd = dict(sd, param_groups=[dict(g, lr=0.25) for g in sd["param_groups"]])
+        return sd
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("post", o.param_groups[0]["lr"])))
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    assert calls == ["pre", ("post", 0.25)]
+    assert sd["param_groups"][0]["lr"] == 0.1  # the caller's dict is not modified
+
+
+@pytest.mark.parametrize("option", ["maximize", "amsgrad"])
+def test_unsupported_group_options_are_rejected_not_ignored(option):
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(TypeError, match=option):
+        AdamW8bit([dict(params=[p], **{option: True})], lr=0.1)
+    opt = AdamW8bit([dict(params=[p], **{option: False})], lr=0.1)  # the default is harmless
+    with pytest.raises(TypeError, match=option):
+        opt.add_param_group(dict(params=[q], **{option: True}))
+    assert len(opt.param_groups) == 1
