@@ -19,7 +19,6 @@ logits in the recompute pass. The logits stay on the device (counted as "router_
 
 from __future__ import annotations
 
-import shutil
 import time
 import warnings
 from collections import deque
@@ -41,7 +40,8 @@ from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
 from ..storage.fastcopy import copy_into
 from ..storage.flat import FlatLayout, typed
 from ..costmodel import NVME_STATE_SETS
-from ..storage.tiers import HostStore, NvmeStore, StagingSets, check_nvme_dir
+from ..storage.tiers import (HostStore, NvmeStore, ScratchDir, StagingSets, check_nvme_dir,
+                             sweep_stale_scratch)
 from .accountant import MemoryAccountant
 from .activations import ActivationStore
 from .layer_state import LayerTrainState, clip_scale_for, total_norm
@@ -306,10 +306,16 @@ class StreamingExecutor:
         self.host = HostStore(pin=self.cuda)
         self.nvme_root = None
         self.nvme = None
+        self.scratch: ScratchDir | None = None
         if uses_nvme:
+            if self.nvme_dir is not None and Path(self.nvme_dir).is_dir():
+                # a killed run's files first (before the free-space check they would fail)
+                for d in sweep_stale_scratch(Path(self.nvme_dir)):
+                    warnings.warn(f"removed {d}: NVMe scratch files of a run that ended without "
+                                  f"cleaning up (killed)", stacklevel=2)
             root = check_nvme_dir(self.nvme_dir, need_nvme)
-            self.nvme_root = Path(root) / f"lazytrain-{id(self):x}"
-            self.nvme_root.mkdir(parents=True, exist_ok=True)
+            self.scratch = ScratchDir(Path(root))
+            self.nvme_root = self.scratch.path
             self.nvme = NvmeStore(self.nvme_root, self.pool)
 
     def _init_storage(self) -> None:
@@ -966,7 +972,7 @@ class StreamingExecutor:
                 self.state_io.shutdown()
             if self.nvme is not None:
                 self.nvme.close()
-            if self.nvme_root is not None:   # our own subdirectory of nvme_dir: scratch only
-                shutil.rmtree(self.nvme_root, ignore_errors=True)
+            if getattr(self, "scratch", None) is not None:   # our own subdirectory: scratch only
+                self.scratch.close()
             self.host.close()
             self.trace.flush()

@@ -8,6 +8,7 @@ must come from `aligned_empty` and have `round_up`-ed lengths.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -133,6 +134,59 @@ def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
         raise ValueError(f"storage.nvme_dir {p} has {free / 2**30:.2f} GiB free but the plan needs "
                          f"{need_bytes / 2**30:.2f} GiB there")
     return p
+
+
+SCRATCH_PREFIX = "lazytrain-"
+_SCRATCH_LOCK = ".owner.lock"
+
+
+class ScratchDir:
+    """A process's own subdirectory of nvme_dir for NVMe-tier files (`<nvme_dir>/lazytrain-<pid>-<n>`).
+
+    It holds an exclusive flock on its lock file for as long as it lives; the kernel drops the lock
+    when the process dies, however it dies. A killed run never removes its directory, so a new one
+    first removes every such directory whose lock it can take (their owners are gone): repeated
+    kill-and-resume cycles do not fill the drive. Directories without a lock file are left alone.
+    """
+
+    def __init__(self, nvme_dir: Path) -> None:
+        self.removed = sweep_stale_scratch(nvme_dir)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=nvme_dir))
+        self._fd = os.open(self.path / _SCRATCH_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)   # (the lock goes with it)
+        self._fd = None
+
+
+def sweep_stale_scratch(nvme_dir: Path) -> list[Path]:
+    """Remove the scratch directories of processes that are gone (see ScratchDir); the removed."""
+    removed = []
+    try:
+        entries = list(Path(nvme_dir).glob(f"{SCRATCH_PREFIX}*"))
+    except OSError:
+        return removed
+    for d in entries:
+        lock = d / _SCRATCH_LOCK
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:   # no lock file: not ours to judge (or not a scratch dir at all)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # held: its process is alive
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def staging_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
