@@ -391,8 +391,11 @@ class MetricsLog:
             pass
 
     def write(self, rec: dict[str, Any]) -> None:
-        self.f.write(json.dumps(rec) + "\n")
-        self.f.flush()
+        try:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+        except OSError as e:
+            raise DiskIOError(e.errno, f"write {self.path}: {e.strerror}") from e
         if self.tb is not None:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "step_time_s"):
                 if rec.get(k) is not None:
@@ -440,7 +443,7 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
     echo(plan_summary(pre.plan))
     if ranks.main:
-        (out / "plan.json").write_text(pre.plan.to_json())
+        _write_text(out / "plan.json", pre.plan.to_json())
 
     seed = int(cfg.seed)
     tokenizer, ds = pre.tokenizer, pre.dataset
@@ -539,9 +542,16 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
                     "dataset_tokens": ds.num_tokens})
     if ranks.main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        _write_text(out / "summary.json", json.dumps(summary, indent=1))
     echo(format_summary(summary))
     return summary
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
 
 
 def _silent(*_args, **_kwargs) -> None:

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from ..storage.aligned_io import DiskIOError
+
 EVENT_KINDS = ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h", "nvme_read", "nvme_write",
                "optimizer")
 
@@ -75,6 +77,9 @@ class Trace:
             return
         with self._lock:
             evs, self.events = self.events, []
-        with self.path.open("a") as f:
-            for ev in evs:
-                f.write(json.dumps(ev) + "\n")
+        try:
+            with self.path.open("a") as f:
+                for ev in evs:
+                    f.write(json.dumps(ev) + "\n")
+        except OSError as e:
+            raise DiskIOError(e.errno, f"write trace {self.path}: {e.strerror}") from e

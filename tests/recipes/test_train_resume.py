@@ -191,3 +191,30 @@ def test_resume_refuses_another_model_and_names_what_differs(base_overrides, tmp
     _run([*base_overrides, "job.max_steps=3"], out, "stop_at_step=1")
     with pytest.raises(ConfigError, match=r"written for another model \(intermediate_size \d+ -> 96\)"):
         _run([*base_overrides, "job.max_steps=3", "model.hf_config.intermediate_size=96"], out, "resume=true")
+
+
+def test_run_log_writes_name_their_file_on_disk_errors(tmp_path):
+    """metrics.jsonl and trace.jsonl failing to write (a full disk) raise DiskIOError naming the
+    file, which the CLI reports as one line, not a traceback."""
+    from lazytrain.recipes.train import MetricsLog
+    from lazytrain.runtime.trace import Trace
+    from lazytrain.storage.aligned_io import DiskIOError
+
+    m = MetricsLog(tmp_path, 0)
+
+    class Full:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+    m.f = Full()
+    with pytest.raises(DiskIOError, match=r"write .*metrics\.jsonl: No space left on device"):
+        m.write({"step": 1, "loss": 1.0})
+    m.close()
+    t = Trace(tmp_path / "trace.jsonl")
+    (tmp_path / "trace.jsonl").unlink()
+    (tmp_path / "trace.jsonl").mkdir()   # no longer writable as a file
+    t.add("h2d", "block.0", 0.0, 1.0, 8, "host", "params")
+    with pytest.raises(DiskIOError, match=r"write trace .*trace\.jsonl"):
+        t.flush()
