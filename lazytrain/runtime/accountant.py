@@ -59,6 +59,8 @@ class MemoryAccountant:
         self._drain_lock = threading.RLock()
 
     def _drain(self) -> None:
+        if not self._dead:   # (the common case, without the lock: an append racing this check
+            return           # is drained by the next count, as one landing after the drain is)
         with self._drain_lock:
             while self._dead:
                 self._dead.popleft()()
