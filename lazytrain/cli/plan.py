@@ -85,6 +85,8 @@ def cmd_show(args: list[str]) -> int:
     plan = Plan.load(args[0])
     _print_plan(plan)
     if plot_path:
+        if not plan.layers:
+            raise ConfigError(f"{args[0]} is a plan with status {plan.status}: it has no layers to plot")
         from ..plan.plot import plot_plan
         print(f"wrote {plot_plan(plan, plot_path)}")
     return 0

@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError:
         print(f"export-deepspeed: plan file {path} not found", file=sys.stderr)
         return 2
+    except OSError as e:   # e.g. a run dir given instead of its plan.json
+        hint = f"; its plan is {path / 'plan.json'}" if path.is_dir() and (path / "plan.json").is_file() else ""
+        print(f"export-deepspeed: cannot read {path} ({e.strerror or e}){hint}", file=sys.stderr)
+        return 2
     except (ValueError, KeyError, TypeError) as e:
         print(f"export-deepspeed: {path} is not a lazytrain plan ({type(e).__name__}: {e})", file=sys.stderr)
         return 2

@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"lazytrain profile: {e}", file=sys.stderr)
         return 2
+    for flag, v in (("--size-mib", args.size_mib), ("--repeats", args.repeats)):
+        if v < 1:
+            print(f"lazytrain profile: {flag} must be >= 1, got {v}", file=sys.stderr)
+            return 2
     if args.nvme_dir and not Path(args.nvme_dir).is_dir():
         print(f"lazytrain profile: --nvme-dir {args.nvme_dir} does not exist", file=sys.stderr)
         return 2

@@ -12,9 +12,10 @@ def _groups(plan: Plan) -> list[tuple[str, int, tuple]]:
     segs = {s: e for s, e in plan.segments()}
     for d in plan.layers:
         seg = ""
-        if d.recompute:
+        if d.recompute:   # named as the rows are (block.0 is layer 1)
             e = segs.get(d.segment_start)
-            seg = f"{d.segment_start}-{e}" if e is not None else str(d.segment_start)
+            first = plan.layers[d.segment_start].name
+            seg = f"{first}..{plan.layers[e].name}" if e is not None and e != d.segment_start else first
         key = (d.kind, "yes" if d.recompute else "no", d.activation_tier, d.param_tier, d.grad_tier,
                d.optimizer_tier, seg if d.recompute and d.activation_tier != "none" else "")
         if rows and rows[-1][2] == key and d.kind == "block" and not key[6]:
@@ -25,21 +26,33 @@ def _groups(plan: Plan) -> list[tuple[str, int, tuple]]:
     return rows
 
 
+def optimizer_state_label(job) -> str:
+    """What the optimizer keeps per trained parameter, in words."""
+    if job.optimizer_state_bits == 8:
+        return "fp32 master + 8-bit moments"
+    if job.master_dtype == "bf16":
+        return "bf16 moments, no master: pure bf16"
+    return "fp32 master + moments"
+
+
 def summary_lines(plan: Plan) -> list[str]:
     p = plan.predicted
     pk = p.peak_bytes
     j = plan.job
     gap = "-" if plan.solver.gap is None else f"{plan.solver.gap:.2%}"
-    return [
+    lines = [
         f"plan {plan.input_hash}  model {plan.model_name}  hardware {plan.hardware.name}  method {plan.method}",
         f"job {j.mode}  batch {j.batch_size} x seq {j.seq_len}  accum {j.grad_accum}  {j.compute_dtype}  "
-        f"optimizer states {j.optimizer_state_bits}-bit",
+        f"optimizer state {optimizer_state_label(j)}",
         f"status {plan.status}  solver {plan.solver.name}  gap {gap}  solve {plan.solver.wall_s:.2f} s",
         f"predicted step {p.step_time_s:.4g} s  ({p.tokens_per_s:,.0f} tokens/s)  compute {p.compute_s:.4g} s  "
         f"recompute {p.recompute_s:.4g} s  exposed transfers {p.exposed_transfer_s:.4g} s",
         f"peaks  device {pk['device'] / GiB:.2f} GiB (budget {plan.hardware.device_memory_gib:g})  "
         f"host {pk['host'] / GiB:.2f} GiB  nvme {pk['nvme'] / GiB:.2f} GiB",
     ]
+    if plan.solver.status_detail:   # e.g. the MILP timed out and a heuristic's plan is returned
+        lines.insert(3, f"note   {plan.solver.status_detail}")
+    return lines
 
 
 def render(plan: Plan, console=None) -> str:

@@ -18,6 +18,7 @@ from .assignment import RECOMPUTE, Assignment
 from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
 from .milp import MilpResult, Pins, solve_milp
+from .render import optimizer_state_label
 from .plan import SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
 from .ops import FWD, HEAD, head_peak_bytes, op_sequence
 from .simulate import Timeline, memory_peaks, simulate
@@ -92,8 +93,8 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     cache = PlanCache(cache_dir) if cache_dir is not None else None
     if cache is not None and use_cache:
         hit = cache.get(h)
-        if hit is not None:
-            return hit
+        if hit is not None:   # (the hash covers the config, not the name: another name, same plan)
+            return hit if hit.model_name == model.name else replace(hit, model_name=model.name)
     costs = job_costs(model, hw, job)
     r = _solve(costs, hw, options, pins_for(method, model.num_layers, job))
     if r.status == "timeout" and method == "milp":
@@ -104,7 +105,11 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     else:
         plan = build_plan(model, hw, job, options, method, h, costs, r)
     if cache is not None:
-        cache.put(plan)
+        try:
+            cache.put(plan)
+        except OSError as e:   # the cache only saves time: planning goes on without it
+            log.warning("planner cache %s not written (%s); set planner.cache_dir=DIR or "
+                         "planner.cache=false", cache.dir, e.strerror or e)
     return plan
 
 
@@ -225,7 +230,8 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
                                            for t, n in sorted(pt.items())))
     if costs.trains_base:
         ot = Counter(d.optimizer_tier for d in plan.layers)
-        lines.append("optimizer state (fp32 master + moments): " + ", ".join(f"{n} on {t}" for t, n in sorted(ot.items())))
+        lines.append(f"optimizer state ({optimizer_state_label(plan.job)}): "
+                     + ", ".join(f"{n} on {t}" for t, n in sorted(ot.items())))
         lines.append("updates wait for the clipping norm: they run after the backward, overlapping the next "
                      "forward (job.clip_grad)" if costs.clip_grad else
                      "updates follow each layer's backward (no clipping: job.clip_grad=false)")
@@ -266,9 +272,12 @@ def _peak_where(plan: Plan, costs: JobCosts) -> str:
 
 def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
                      method: str = "milp") -> int | None:
-    """Smallest device memory any plan (of this method) needs; None if host/NVMe cannot hold it."""
+    """Smallest device memory any plan (of this method) needs; None if host/NVMe cannot hold it.
+    Solved to optimality (no mip_gap): `fits`, `max_batch` and the infeasible explanation compare it
+    with a budget, and a 1%-gap "minimum" turned plans that fit into "does not fit"."""
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job), minimize="device_peak")
+    r = _solve(costs, hw, replace(options, mip_gap=0.0), pins_for(method, model.num_layers, job),
+               minimize="device_peak")
     if r.status == "timeout":
         return TIMED_OUT
     if r.status == "infeasible" or r.assignment is None:

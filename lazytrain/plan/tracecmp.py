@@ -114,9 +114,11 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
     plan = Plan.load(plan_path)
     notes: list[str] = []
     events = _read_jsonl(trace_path, notes)
-    if not any(e.get("step", 0) >= 0 for e in events):
+    if not any(isinstance(e, dict) and isinstance(e.get("step", 0), int) and e.get("step", 0) >= 0
+               for e in events):
         raise ValueError(f"{trace_path} has no step: the run traced none")
-    if not all("kind" in e and "step" in e for e in events):
+    if not all(isinstance(e, dict) and {"kind", "step", "start_s", "end_s"} <= e.keys()
+               and isinstance(e["step"], int) for e in events):
         raise ValueError(f"{trace_path} is not a streaming-executor trace (engine=lazytrain writes one; "
                          "other engines log ops, not transfers)")
     with_what = any("what" in e for e in events)   # older traces: compare per kind only

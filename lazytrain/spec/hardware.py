@@ -14,6 +14,11 @@ from typing import Any, Mapping
 from .units import GB, GiB
 
 
+# Rates and throughputs: a 0 would be a division by zero in the planner (capacities may be 0).
+RATES = ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "device_tflops", "efficiency",
+         "host_memory_gbps")
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     name: str
@@ -39,8 +44,11 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, float | int) and not isinstance(v, bool) and v < 0:
-                raise ValueError(f"hardware.{f.name} must be >= 0, got {v}")
+            if isinstance(v, float | int) and not isinstance(v, bool):
+                if f.name in RATES and not v > 0:   # (the planner divides by them)
+                    raise ValueError(f"hardware.{f.name} must be > 0, got {v}")
+                if v < 0:
+                    raise ValueError(f"hardware.{f.name} must be >= 0, got {v}")
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"hardware.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
 

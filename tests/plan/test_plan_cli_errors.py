@@ -1,0 +1,103 @@
+"""What the plan CLI and planner say and do on edge cases and bad input (found in review)."""
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+
+from lazytrain.cli.main import main as cli_main
+from lazytrain.plan import PlannerOptions, plan_job
+from lazytrain.plan.render import render, summary_lines
+from lazytrain.spec import JobSpec
+
+
+@pytest.mark.parametrize("field", ["h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "device_tflops",
+                                   "efficiency", "host_memory_gbps"])
+def test_zero_rates_are_refused(make_hw, field):
+    with pytest.raises(ValueError, match=f"hardware.{field} must be > 0, got 0"):
+        make_hw(**{field: 0})
+    make_hw(nvme_capacity_gib=0.0)   # a capacity may be 0 (no NVMe)
+
+
+def test_profile_refuses_empty_measurements(capsys):
+    from lazytrain.cli.profile import main as profile_main
+    assert profile_main(["hardware=cpu", "--size-mib", "0"]) == 2
+    assert "--size-mib must be >= 1, got 0" in capsys.readouterr().err
+    assert profile_main(["hardware=cpu", "--repeats", "0"]) == 2
+
+
+def test_unwritable_cache_warns_and_plans(small, tmp_path, caplog):
+    model, h, job = small
+    (tmp_path / "afile").write_text("")
+    with caplog.at_level(logging.WARNING):
+        plan = plan_job(model, h, job, cache_dir=tmp_path / "afile" / "sub")
+    assert plan.fits and "planner cache" in caplog.text and "not written" in caplog.text
+
+
+def test_cache_hit_carries_the_asked_models_name(small, tmp_path):
+    model, h, job = small
+    first = plan_job(model, h, job, cache_dir=tmp_path)
+    other = replace(model, name="my-finetune")
+    hit = plan_job(other, h, job, cache_dir=tmp_path)
+    assert hit.input_hash == first.input_hash and hit.model_name == "my-finetune"
+    assert first.model_name == model.name
+
+
+def test_fallback_plan_says_so_in_its_summary(make_llama, make_hw):
+    model = make_llama(layers=48, hidden=2048, inter=5632, vocab=32000)
+    h = make_hw(device_memory_gib=6.0, host_memory_gib=24.0, nvme_capacity_gib=200.0)
+    plan = plan_job(model, h, JobSpec(batch_size=2, seq_len=1024, mode="full"),
+                    PlannerOptions(time_limit_s=0.01), cache_dir=None)
+    detail = plan.solver.status_detail
+    if not detail:
+        pytest.skip("the MILP finished within 0.01 s here")
+    assert any(line.startswith("note") and detail in line for line in summary_lines(plan))
+
+
+@pytest.mark.parametrize("bits,master,label", [(32, "fp32", "fp32 master + moments"),
+                                               (8, "fp32", "fp32 master + 8-bit moments"),
+                                               (32, "bf16", "bf16 moments, no master: pure bf16")])
+def test_optimizer_state_is_named_as_the_job_keeps_it(small, bits, master, label):
+    model, h, job = small
+    job = replace(job, mode="full", optimizer_state_bits=bits, master_dtype=master)
+    plan = plan_job(model, h, job, cache_dir=None)
+    assert f"optimizer state {label}" in summary_lines(plan)[1]
+    assert any(line.startswith(f"optimizer state ({label})") for line in plan.explanation)
+
+
+def test_segments_are_named_like_the_rows(small):
+    model, h, job = small
+    plan = plan_job(model, h, job, cache_dir=None)
+    layers = list(plan.layers)
+    # blocks 0-1 (layers 1-2) one recompute segment, the rest kept
+    for i in (1, 2):
+        layers[i] = replace(layers[i], recompute=True, segment_start=1,
+                            activation_tier="device" if i == 1 else "none")
+    text = render(replace(plan, layers=tuple(layers)))
+    row = next(line for line in text.splitlines() if "block.0" in line and "yes" in line)
+    assert "block.0..block.1" in row
+
+
+def test_export_deepspeed_given_a_directory(tmp_path, capsys):
+    from lazytrain.cli.plan_export import main as export_main
+    (tmp_path / "run").mkdir()
+    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "ds.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "Traceback" not in err
+
+
+def test_plot_of_an_infeasible_plan_and_a_misshapen_trace(small, tmp_path, capsys):
+    model, h, job = small
+    bad = plan_job(model, replace(h, device_memory_gib=0.0001), job, cache_dir=None, explain=False)
+    assert not bad.fits
+    (tmp_path / "inf.json").write_text(bad.to_json())
+    assert cli_main(["plan", "show", str(tmp_path / "inf.json"), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "has no layers to plot" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "plan.json").write_text(plan_job(model, h, job, cache_dir=None).to_json())
+    (run / "trace.jsonl").write_text(json.dumps({"kind": "h2d", "step": 1, "start_s": 0.0}) + "\n")
+    assert cli_main(["plan", "trace", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a streaming-executor trace" in err and "Traceback" not in err
