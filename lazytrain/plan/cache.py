@@ -14,6 +14,34 @@ from .plan import Plan
 log = logging.getLogger(__name__)
 
 
+TIERS = ("device", "host", "nvme")
+
+
+def _damage(plan: Plan) -> str:
+    """What makes a parsed cache entry unusable ('' if nothing): valid JSON whose contents a bit
+    flip or a hand edit broke would otherwise be served as the plan."""
+    if set(plan.predicted.peak_bytes) != {"device", "host", "nvme"}:
+        return "predicted peaks are not device/host/nvme"
+    if not plan.fits:
+        return ""
+    n = plan.model_config.get("num_hidden_layers")
+    if len(plan.layers) < 3 or (isinstance(n, int) and len(plan.layers) != n + 2):
+        return f"{len(plan.layers)} layers for a model of {n} blocks"
+    for i, d in enumerate(plan.layers):
+        if d.recompute and not (d.segment_start <= i and plan.layers[d.segment_start].recompute):
+            return f"{d.name}: recompute segment start {d.segment_start}"
+        if any(t not in TIERS for t in (d.param_tier, d.grad_tier, d.optimizer_tier)):
+            return f"{d.name}: a tier outside {TIERS}"
+        if d.activation_tier not in (*TIERS, "none"):
+            return f"{d.name}: activation tier {d.activation_tier!r}"
+    from .solve import assignment_of   # (solve imports this module)
+    try:
+        assignment_of(plan).validate(len(plan.layers) - 2)
+    except (ValueError, AssertionError) as e:
+        return str(e)
+    return ""
+
+
 class PlanCache:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
@@ -32,6 +60,10 @@ class PlanCache:
             return None
         if plan.input_hash != input_hash:
             log.warning("ignoring plan cache entry %s: hash mismatch; re-solving", p)
+            return None
+        why = _damage(plan)
+        if why:
+            log.warning("ignoring damaged plan cache entry %s (%s); re-solving", p, why)
             return None
         return plan
 

@@ -54,12 +54,21 @@ class LayerDecision:
     optimizer_tier: str
 
 
+# status_detail of a plan returned by the MILP's timeout fallback starts so (solve._fallback)
+FALLBACK_DETAIL = "time limit "
+
+
 @dataclass(frozen=True)
 class SolverInfo:
     name: str
     wall_s: float
     gap: float | None
     status_detail: str = ""
+
+    @property
+    def fell_back(self) -> bool:
+        """The MILP ran out of time and a heuristic's plan was returned (status_detail says so)."""
+        return self.status_detail.startswith(FALLBACK_DETAIL)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def summary_lines(plan: Plan) -> list[str]:
         f"peaks  device {pk['device'] / GiB:.2f} GiB (budget {plan.hardware.device_memory_gib:g})  "
         f"host {pk['host'] / GiB:.2f} GiB  nvme {pk['nvme'] / GiB:.2f} GiB",
     ]
-    if plan.solver.status_detail:   # e.g. the MILP timed out and a heuristic's plan is returned
+    if plan.solver.fell_back:   # the MILP timed out and a heuristic's plan is returned
         lines.insert(3, f"note   {plan.solver.status_detail}")
     return lines
 

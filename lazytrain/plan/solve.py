@@ -19,7 +19,7 @@ from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
 from .milp import MilpResult, Pins, solve_milp
 from .render import optimizer_state_label
-from .plan import SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
+from .plan import FALLBACK_DETAIL, SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
 from .ops import FWD, HEAD, head_peak_bytes, op_sequence
 from .simulate import Timeline, memory_peaks, simulate
 from .simplify import simplify
@@ -104,7 +104,9 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
         plan = _empty_plan(model, hw, job, options, method, h, r, tuple(lines))
     else:
         plan = build_plan(model, hw, job, options, method, h, costs, r)
-    if cache is not None:
+    # A heuristic returned because the MILP ran out of time (a busy machine, a short limit) is
+    # not cached: the next run tries the MILP again instead of being served the fallback for good.
+    if cache is not None and not plan.solver.fell_back:
         try:
             cache.put(plan)
         except OSError as e:   # the cache only saves time: planning goes on without it
@@ -121,7 +123,7 @@ def _fallback(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, num_bl
     for name in HEURISTICS:
         r = _solve(costs, hw, options, pins_for(f"heuristic:{name}", num_blocks, job))
         if r.assignment is not None and (best is None or r.objective_s < best.objective_s):
-            best = replace(r, detail=f"time limit {options.time_limit_s} s hit before the MILP found a "
+            best = replace(r, detail=f"{FALLBACK_DETAIL}{options.time_limit_s} s hit before the MILP found a "
                                      f"plan; best heuristic ({name}) returned")
     if best is None:
         return timed_out

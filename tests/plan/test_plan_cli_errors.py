@@ -49,10 +49,9 @@ def test_fallback_plan_says_so_in_its_summary(make_llama, make_hw):
     h = make_hw(device_memory_gib=6.0, host_memory_gib=24.0, nvme_capacity_gib=200.0)
     plan = plan_job(model, h, JobSpec(batch_size=2, seq_len=1024, mode="full"),
                     PlannerOptions(time_limit_s=0.01), cache_dir=None)
-    detail = plan.solver.status_detail
-    if not detail:
+    if not plan.solver.fell_back:
         pytest.skip("the MILP finished within 0.01 s here")
-    assert any(line.startswith("note") and detail in line for line in summary_lines(plan))
+    assert any(line.startswith("note") and plan.solver.status_detail in line for line in summary_lines(plan))
 
 
 @pytest.mark.parametrize("bits,master,label", [(32, "fp32", "fp32 master + moments"),
@@ -63,6 +62,7 @@ def test_optimizer_state_is_named_as_the_job_keeps_it(small, bits, master, label
     job = replace(job, mode="full", optimizer_state_bits=bits, master_dtype=master)
     plan = plan_job(model, h, job, cache_dir=None)
     assert f"optimizer state {label}" in summary_lines(plan)[1]
+    assert not any(line.startswith("note") for line in summary_lines(plan))   # (solved, no fallback)
     assert any(line.startswith(f"optimizer state ({label})") for line in plan.explanation)
 
 
@@ -101,3 +101,35 @@ def test_plot_of_an_infeasible_plan_and_a_misshapen_trace(small, tmp_path, capsy
     assert cli_main(["plan", "trace", str(run)]) == 2
     err = capsys.readouterr().err
     assert "is not a streaming-executor trace" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["peaks", "layers", "tier", "segment"])
+def test_damaged_cache_entry_is_resolved_not_served(small, tmp_path, caplog, damage):
+    """Valid JSON whose contents were broken (a bit flip, a hand edit) is not served as the plan."""
+    model, h, job = small
+    plan = plan_job(model, h, job, cache_dir=tmp_path)
+    f = tmp_path / f"{plan.input_hash}.json"
+    d = json.loads(f.read_text())
+    if damage == "peaks":
+        d["predicted"]["peak_bytes"] = {}
+    elif damage == "layers":
+        d["layers"] = d["layers"][:3]
+    elif damage == "tier":
+        d["layers"][2]["param_tier"] = "gpu9"
+    else:   # a recompute segment starting after its own layer
+        d["layers"][3].update(recompute=True, segment_start=5, activation_tier="none")
+    f.write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING):
+        again = plan_job(model, h, job, cache_dir=tmp_path)
+    assert "damaged plan cache entry" in caplog.text or "corrupt plan cache entry" in caplog.text
+    assert again.layers == plan.layers and again.predicted == plan.predicted
+
+
+def test_timeout_fallback_is_not_cached(make_llama, make_hw, tmp_path):
+    model = make_llama(layers=48, hidden=2048, inter=5632, vocab=32000)
+    h = make_hw(device_memory_gib=6.0, host_memory_gib=24.0, nvme_capacity_gib=200.0)
+    plan = plan_job(model, h, JobSpec(batch_size=2, seq_len=1024, mode="full"),
+                    PlannerOptions(time_limit_s=0.01), cache_dir=tmp_path)
+    if not plan.solver.fell_back:
+        pytest.skip("the MILP finished within 0.01 s here")
+    assert not list(tmp_path.glob("*.json"))
