@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -28,6 +30,8 @@ import torch
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -72,9 +76,15 @@ def expand_files(files: Sequence[str | Path]) -> list[Path]:
 
 def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
     """The values of `fields` (field -> the config key that names it) in each row of a JSONL file;
-    a null value reads as empty text."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    a null value reads as empty text. Lines are decoded one by one so a bad byte is reported with
+    its line."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the "
+                                f"line)") from None
             if not line.strip():
                 continue
             try:
@@ -129,6 +139,44 @@ def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
     return torch.tensor(ids, dtype=torch.long), torch.tensor(learn, dtype=torch.bool)
 
 
+def _exact_cut(tokenizer, doc: str, start: int, end: int, tries: int = 4,
+               window: int = 256) -> int | None:
+    """A cut just after one of the last `tries` line breaks in doc[start:end] (the latest that
+    leaves the document's tokens unchanged), or None.
+
+    Whether a cut is exact is checked, not assumed: tokenizing a window around it whole must give
+    the tokens of its two halves. Byte-level BPE (Llama-3, Qwen) merges runs like "\\n\\n   " across
+    a line break, and SentencePiece-style tokenizers prefix every input with "▁"."""
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    nl = end
+    for _ in range(tries):
+        nl = doc.rfind("\n", start, nl)
+        if nl < 0:
+            return None
+        cut = nl + 1
+        a, b = max(start, cut - window), min(len(doc), cut + window)
+        if enc(doc[a:cut]) + enc(doc[cut:b]) == enc(doc[a:b]):
+            return cut
+    return None
+
+
+def _pieces(tokenizer, doc: str, chunk_chars: int) -> Iterator[str]:
+    """`doc` in pieces of about `chunk_chars` characters, so the fast tokenizer works on bounded
+    inputs, whose tokens together are the document's. Where no exact cut is found the piece grows
+    by another `chunk_chars` (a tokenizer no cut suits gets the document whole)."""
+    start, limit = 0, chunk_chars
+    while start + limit < len(doc):
+        cut = _exact_cut(tokenizer, doc, start, start + limit)
+        if cut is None:
+            limit += chunk_chars
+        else:
+            yield doc[start:cut]
+            start, limit = cut, chunk_chars
+    yield doc[start:]
+
+
 def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
                    chunk_chars: int = 1 << 16) -> torch.Tensor:
     """All documents as one 1-D int64 token stream, EOS after each document."""
@@ -140,16 +188,8 @@ def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
         for doc in read_documents(path, text_field):
             if not doc.strip():
                 continue
-            # Split long documents at line breaks so the fast tokenizer works on bounded inputs;
-            # byte-level BPE never merges across "\n" + next char boundaries we cut at.
-            start = 0
-            while start < len(doc):
-                end = min(len(doc), start + chunk_chars)
-                if end < len(doc):
-                    nl = doc.rfind("\n", start, end)
-                    end = nl + 1 if nl > start else end
-                ids += tokenizer(doc[start:end], add_special_tokens=False)["input_ids"]
-                start = end
+            for piece in _pieces(tokenizer, doc, chunk_chars):
+                ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
@@ -229,30 +269,78 @@ class PackedDataset:
         return out, position
 
 
+def _tokenizer_files(tokenizer) -> list[tuple[str, bytes]]:
+    """What `save_pretrained` writes: the full serialisation (a fast tokenizer's tokenizer.json, a
+    slow one's vocabulary/model files) and its config (special and added tokens, flags). The
+    vocabulary alone does not determine the tokens: Llama-3 base and instruct share one but end
+    documents with different EOS tokens, and normalizers and pre-tokenizers change them too."""
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save_pretrained(d)
+        return [(str(f.relative_to(d)), f.read_bytes())
+                for f in sorted(Path(d).rglob("*")) if f.is_file()]
+
+
+def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: str | None) -> str:
+    """A hash of everything the cached tokens depend on, every part length-prefixed so that moving
+    bytes between parts (text from one file to the next, which moves an EOS) changes it. Each file
+    counts by its parse mode and bytes, not its path, so a moved corpus keeps its cache; the
+    library versions count because tokenizer fixes change tokens."""
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256()
+
+    def put(b: bytes) -> None:
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+
+    put(b"lazytrain-tokens-v3")   # v3: keyed by the whole tokenizer and per-file framing
+    put(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
+    for name, content in _tokenizer_files(tokenizer):
+        put(name.encode())
+        put(content)
+    put(json.dumps([tokenizer.eos_token_id, text_field, prompt_field]).encode())
+    for p in paths:
+        put(b"jsonl" if p.suffix in JSONL_SUFFIXES else b"text")
+        put(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
+    """The cached streams, or None (a miss) if there are none or they are unreadable: a damaged
+    entry is removed and re-tokenized rather than failing the run."""
+    if not path.is_file():
+        return None
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        data = load_file(str(path))
+        if set(data) != names or any(t.dim() != 1 or t.shape != data["tokens"].shape
+                                     for t in data.values()):
+            raise ValueError(f"holds {sorted(data)}, not the 1-D streams {sorted(names)}")
+    except (SafetensorError, OSError, ValueError) as e:
+        log.warning("ignoring corrupt token cache %s (%s); re-tokenizing", path, e)
+        path.unlink(missing_ok=True)
+        return None
+    return data
+
+
 def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: int = 0,
                   text_field: str = "text", cache_dir: str | Path | None = None,
                   prompt_field: str | None = None) -> PackedDataset:
     """Tokenize (or load the cached tokens of) `files` and pack them into `seq_len` sequences.
 
     `prompt_field`: JSONL prompt/completion rows, learning only the completions (module doc).
-    The cache is keyed by the files' bytes, the fields and the tokenizer's vocabulary, stored as
-    safetensors.
+    `cache_dir`: the token streams are cached there as safetensors, keyed by `_cache_key`.
     """
     paths = expand_files(files)
     data = None
     cache_path = None
     if cache_dir is not None:
-        h = hashlib.sha256(b"lazytrain-tokens-v2")   # v2: null JSONL fields read as empty text
-        for p in paths:
-            h.update(p.read_bytes())
-        h.update(text_field.encode())
-        if prompt_field is not None:
-            h.update(b"\0prompt:" + prompt_field.encode())
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-        cache_path = Path(cache_dir) / f"tokens-{h.hexdigest()[:16]}.safetensors"
-        if cache_path.is_file():
-            from safetensors.torch import load_file
-            data = load_file(str(cache_path))
+        key = _cache_key(paths, tokenizer, text_field, prompt_field)
+        cache_path = Path(cache_dir) / f"tokens-{key}.safetensors"
+        data = _read_cache(cache_path, {"tokens"} if prompt_field is None else {"tokens", "learn"})
     if data is None:
         if prompt_field is None:
             data = {"tokens": tokenize_files(paths, tokenizer, text_field)}
