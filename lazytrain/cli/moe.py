@@ -76,8 +76,14 @@ def _train_predictor(cfg) -> dict:
         eng.close()
 
 
-TOOLS = {"convert": _convert, "train-predictor": _train_predictor,
-         "inspect": lambda cfg: _inspect_dir(cfg.moe.store or cfg.out)}
+def _inspect(cfg) -> dict:
+    store = cfg.moe.store or cfg.out
+    if not store:
+        raise ValueError("inspect needs moe.store=STORE_DIR")
+    return _inspect_dir(store)
+
+
+TOOLS = {"convert": _convert, "train-predictor": _train_predictor, "inspect": _inspect}
 
 
 def main(argv: list[str]) -> int:

@@ -37,7 +37,7 @@ class ReadRequest:
     slot: int
     deadline: int
     prefetch: bool
-    state: str = "queued"            # queued | reading | done | failed
+    state: str = "queued"            # queued | reading | done | failed | skipped
     cancelled: bool = False          # set by the forward thread; the worker then skips the read
     event: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -165,8 +165,15 @@ class ExpertCache:
             self.free.append(slot)
 
     # ---- demand path --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        # After close() no worker serves the queue: a read issued now would be waited on forever.
+        if self._closed:
+            raise RuntimeError("the expert cache is closed (its engine's close() was called); "
+                               "load the store again with load_streamed")
+
     def acquire(self, layer: int, experts: list[int], now: int, c: MoeCounters) -> list[ReadRequest]:
         """Pin `experts` of `layer`, start demand reads for misses; returns requests to wait on."""
+        self._check_open()
         keys = [(layer, e) for e in experts]
         waits: list[ReadRequest] = []
         self._reap()
@@ -182,7 +189,9 @@ class ExpertCache:
                     req.cancelled = False            # wanted after all: un-cancel (maybe already skipped)
                     if req.event.is_set() and req.state != "done":
                         req = self._reissue(req, now)
-                if req is not None and req.event.is_set() and req.error is None:
+                # A hit only if the read is done: the worker may have skipped the request (cancelled
+                # when it looked) since the check above; then the slot is empty and wait() re-reads it.
+                if req is not None and req.event.is_set() and req.state == "done":
                     self._finish(req)            # finished in the background: a hit
                     req = None
                 if req is not None:
@@ -267,6 +276,7 @@ class ExpertCache:
 
     # ---- prefetch path ------------------------------------------------------------------------
     def prefetch(self, layer: int, experts: list[int], deadline: int, now: int, c: MoeCounters) -> None:
+        self._check_open()
         self._reap()     # so `pending` only holds reads still queued or on the disk
         for e in experts:
             key = (layer, e)

@@ -38,8 +38,15 @@ def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Pa
         params = {t.name: getattr(ml.experts, t.name) for t in ml.tensors}
         writer.write_layer(ml, lambda e, p=params: {k: v[e] for k, v in p.items()})
     skip = _expert_param_set(layers)
+    if getattr(model.config, "tie_word_embeddings", False):
+        # A tied lm_head is the embedding itself: safetensors refuses shared tensors, and
+        # load_streamed ties it again (as convert_checkpoint, whose checkpoints omit it).
+        skip.add("lm_head.weight")
     writer.write_non_expert({k: v for k, v in model.state_dict().items() if k not in skip})
     _copy_tokenizer(tokenizer_dir, writer.dir)
+    if getattr(model, "generation_config", None) is not None:
+        # This model's own (eos ids, repetition penalty, ...): what its generate() uses.
+        model.generation_config.save_pretrained(writer.dir)
     return writer.close()
 
 

@@ -161,6 +161,10 @@ class StreamedMoE:
         """Greedy generation; prefill and decode counters are kept apart (decode = steady state)."""
         from transformers.generation.streamers import BaseStreamer
 
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+        if bad.numel():      # else an IndexError deep in the embedding, after the prefill started
+            raise ValueError(f"prompt id {bad[0].item()} is outside the vocabulary [0, {vocab})")
         eng = self
 
         class _Phase(BaseStreamer):
@@ -227,6 +231,28 @@ def check_host_cache(fraction, slots) -> float:
     return f
 
 
+def check_device(device) -> None:
+    """Validate moe.device before anything is loaded: a bad one would otherwise fail deep inside
+    safetensors or the pinned-memory allocator, with a message that does not name the setting."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"moe.device must be cpu or cuda (or cuda:N), got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"moe.device={device} but CUDA is not available on this machine; use moe.device=cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"moe.device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_count(name: str, value) -> None:
+    """Slot counts and queue bounds come from the command line: refuse strings and floats here
+    rather than as a TypeError inside the cache."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"moe.{name} must be a positive integer or null, got {value!r}")
+
+
 def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None,
                   cache_slots: int | None = None, cache_fraction: float = 0.45, eviction: str = "lru",
                   prefetch: str = "gate", predictor_path: str | Path | None = None,
@@ -245,20 +271,36 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
     """
     import json
 
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+    from transformers import GenerationConfig
 
     host_fraction = check_host_cache(host_cache_fraction, host_cache_slots)
+    check_device(device)
+    _check_count("cache_slots", cache_slots)
+    _check_count("queue_depth", queue_depth)
     store = ExpertStore(store_dir, direct=direct)
+    cache = None
     try:
-        hf_config = store.hf_config
+        hf_config, src = store.hf_config, store.dir
         if model_path is not None:
-            p = Path(model_path).expanduser()
-            if not (p / "config.json").is_file():
-                raise StoreError(f"model.path {p} has no config.json")
-            hf_config = json.loads((p / "config.json").read_text())
+            src = Path(model_path).expanduser()
+            if not (src / "config.json").is_file():
+                raise StoreError(f"model.path {src} has no config.json")
+            hf_config = json.loads((src / "config.json").read_text())
         model = build_meta_model(hf_config)
         find_moe_layers(model)                 # NotMoeModelError before anything else
-        sd = load_file(str(store.non_expert_path), device=str(device))
+        # from_config derives the generation config from config.json alone; the checkpoint's
+        # generation_config.json (eos id lists, repetition penalty, ...) is what from_pretrained uses,
+        # so without it generate() would differ from the plain model. Same precedence as the tokenizer.
+        gen_dir = next((d for d in (src, store.dir) if (d / "generation_config.json").is_file()), None)
+        if gen_dir is not None:
+            model.generation_config = GenerationConfig.from_pretrained(str(gen_dir))
+        try:
+            sd = load_file(str(store.non_expert_path), device=str(device))
+        except SafetensorError as e:
+            raise StoreError(f"{store.non_expert_path}: not a readable safetensors file ({e}); "
+                             "reconvert") from None
         dtype = next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
         model = model.to(dtype)
         layers = find_moe_layers(model)
@@ -296,8 +338,7 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         slots = min(slots, total)
         host = host_cache_slots if host_cache_slots is not None else round(host_fraction * total)
         host = min(host, total - slots)      # exclusive tiers: more than the rest would stay empty
-        cache = ExpertCache(store, slots, policy, device=device, io_workers=io_workers,
-                            queue_depth=depth, verify=verify, host_slots=host)
+        # The predictor before the cache: a bad prefetch setting then fails before any I/O thread exists.
         if prefetch == "none":
             pred = None
         elif prefetch == "gate":
@@ -313,8 +354,12 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
             pred = Oracle(future, lookahead)
         else:
             raise ValueError(f"unknown moe.prefetch {prefetch!r}; valid: none, gate, predictor")
+        cache = ExpertCache(store, slots, policy, device=device, io_workers=io_workers,
+                            queue_depth=depth, verify=verify, host_slots=host)
         return StreamedMoE(model, layers, store, cache, pred, auto_lookahead=auto if pred else 0)
     except BaseException:
+        if cache is not None:
+            cache.close()            # its I/O threads would otherwise keep it and its pool alive
         store.close()
         raise
 

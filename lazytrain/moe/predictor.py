@@ -92,20 +92,23 @@ class PredictorHeads(nn.Module):
 
     @staticmethod
     def load(path: str | Path) -> "PredictorHeads":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
 
         p = Path(path).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"predictor {p} does not exist; train one with "
                                     "`lazytrain moe train-predictor ... out=FILE`")
-        with safe_open(str(p), "pt") as f:
-            raw = (f.metadata() or {}).get("lazytrain_predictor")
+        try:
+            with safe_open(str(p), "pt") as f:
+                raw = (f.metadata() or {}).get("lazytrain_predictor")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"predictor {p} is not a readable safetensors file ({e}); retrain it") from None
         if raw is None:
             raise ValueError(f"{p} is not a lazytrain routing predictor (no metadata)")
         info = json.loads(raw)
         heads = PredictorHeads(info["hidden_size"], info["experts"], info["width"])
-        heads.load_state_dict(load_file(str(p)))
+        heads.load_state_dict(tensors)
         return heads.eval()
 
 
@@ -117,6 +120,10 @@ class TrainedPredictor:
         if heads.experts != [ml.num_experts for ml in layers]:
             raise ValueError(f"predictor was trained for experts {heads.experts}, model has "
                              f"{[ml.num_experts for ml in layers]}; retrain it for this model")
+        hidden = layers[0].router.weight.shape[1]     # router weight [num_experts, hidden]
+        if heads.hidden_size != hidden:                # else a shape error mid-generation
+            raise ValueError(f"predictor was trained for hidden size {heads.hidden_size}, model has "
+                             f"{hidden}; retrain it for this model")
         self.heads, self.gate = heads, SpeculativeGate(layers, lookahead, extra)
         self.top_k = [ml.top_k for ml in layers]
         self.extra = extra

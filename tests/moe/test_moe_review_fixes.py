@@ -1,0 +1,245 @@
+"""Review fixes of the streamed MoE engine: the checkpoint's generation config, a skipped prefetch
+never counted as a hit, no leaked I/O threads, use after close, tied embeddings, predictor hidden
+size, and one-line CLI errors (exit 2) on bad input."""
+
+import shutil
+import threading
+
+import pytest
+import torch
+
+from lazytrain.cli import generate as gen_cli
+from lazytrain.cli import moe as moe_cli
+from lazytrain.moe import ExpertCache, ExpertStore, convert_checkpoint, convert_model, generate, load_streamed
+from lazytrain.moe.policies import LRU
+from lazytrain.moe.predictor import PredictorHeads
+from lazytrain.moe.stats import MoeCounters
+
+PROMPT = [5, 17, 3, 99, 45, 12]
+
+
+def _io_threads() -> int:
+    return sum(t.name.startswith("lazytrain-moe-io") for t in threading.enumerate())
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+# ---- 1. generation_config.json --------------------------------------------------------------------
+def test_checkpoint_generation_config_is_used(tiny_moe, tmp_path):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = tiny_moe("mixtral")
+    first = _greedy(model, PROMPT, 1)[0]
+    # An eos list (Qwen3-MoE's [151645, 151643]) and a repetition penalty, only in generation_config.json.
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, first], repetition_penalty=1.3)
+    model.save_pretrained(tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "store")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert _greedy(ref, PROMPT, 8) == [first]                 # stops at the second eos id
+    for model_path in (None, tmp_path / "hf"):
+        got = generate(tmp_path / "store", prompt_ids=PROMPT, max_new_tokens=8, model_path=model_path)
+        assert got.token_ids == [first]
+
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, repetition_penalty=1.3)
+    convert_model(model, tmp_path / "store2")                 # the in-memory model's own config
+    want = _greedy(model, PROMPT, 24)
+    assert want != _greedy(tiny_moe("mixtral"), PROMPT, 24)   # the penalty changes the output
+    assert generate(tmp_path / "store2", prompt_ids=PROMPT, max_new_tokens=24).token_ids == want
+
+
+# ---- 2. a prefetch skipped between acquire's checks is not a hit -----------------------------------
+def test_prefetch_skipped_during_acquire_is_not_a_hit(mixtral_store):
+    """The worker skips a cancelled prefetch just after acquire un-cancels it and before its hit check
+    (a GIL switch there, forced with a blocking `cancelled` read in the worker and an Event whose
+    is_set yields to the worker): the forward must wait for a re-read, not compute on the empty slot."""
+    import lazytrain.moe.cache as cache_mod
+
+    _, d = mixtral_store
+    st = ExpertStore(d / "store")
+    gate, at_check, go = threading.Event(), threading.Event(), threading.Event()
+    real = st.read_into
+    main = threading.current_thread()
+
+    def read_into(layer, expert, buf):
+        if (layer, expert) == (0, 0):
+            gate.wait(10)                    # hold the only worker so (1, 5) stays queued
+        return real(layer, expert, buf)
+
+    class Req(cache_mod.ReadRequest):       # the worker pauses right after reading cancelled=True
+        @property
+        def cancelled(self):
+            v = self.__dict__["_c"]
+            if threading.current_thread() is not main and v:
+                at_check.set()
+                go.wait(10)
+            return v
+
+        @cancelled.setter
+        def cancelled(self, v):
+            self.__dict__["_c"] = v
+            if threading.current_thread() is main and not v:
+                self.event.armed = True
+
+    class Ev(threading.Event):              # main's first is_set after the un-cancel: the worker runs
+        armed = False
+
+        def is_set(self):
+            r = super().is_set()
+            if threading.current_thread() is main and self.armed:
+                self.armed = False
+                go.set()
+                super().wait(10)
+            return r
+
+    st.read_into = read_into
+    cache = ExpertCache(st, 16, LRU(), io_workers=1)
+    try:
+        c = MoeCounters()
+        cache.prefetch(0, [0], deadline=1, now=0, c=c)
+        cache.prefetch(1, [5], deadline=5, now=0, c=c)
+        req = cache.pending[(1, 5)]
+        req.__dict__["_c"] = req.__dict__.pop("cancelled")
+        req.__class__, req.event = Req, Ev()
+        w = cache.acquire(1, [2], now=1, c=c)   # routing picked expert 2: the (1, 5) prefetch is cancelled
+        gate.set()
+        cache.wait(w, c)
+        cache.unpin()
+        assert at_check.wait(10)                # the worker has read cancelled=True for (1, 5)
+        hits0 = c.hits
+        w2 = cache.acquire(1, [5], now=2, c=c)
+        cache.wait(w2, c)
+        assert req.state == "skipped" and c.hits == hits0 and len(w2) == 1
+        lr = st.layers[1]
+        with open(st.dir / lr.file, "rb") as f:
+            f.seek(5 * lr.record_bytes)
+            want = f.read(lr.record_bytes)
+        assert cache.pool[cache.slot_of[(1, 5)]].numpy().tobytes()[:lr.record_bytes] == want
+    finally:
+        go.set()
+        gate.set()
+        cache.unpin()
+        cache.close()
+        st.close()
+
+
+# ---- 3. a failed load_streamed leaves no I/O threads ----------------------------------------------
+def test_failed_load_streamed_leaks_no_io_threads(mixtral_store, tmp_path, monkeypatch):
+    import lazytrain.moe.engine as engine_mod
+
+    _, d = mixtral_store
+    before = _io_threads()
+    with pytest.raises(FileNotFoundError):
+        load_streamed(d / "store", prefetch="predictor", predictor_path=tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="unknown moe.prefetch"):
+        load_streamed(d / "store", prefetch="bogus")
+
+    def boom(*a, **k):
+        raise RuntimeError("attach failed")
+
+    monkeypatch.setattr(engine_mod.StreamedMoE, "__init__", boom)   # a failure after the cache exists
+    with pytest.raises(RuntimeError, match="attach failed"):
+        load_streamed(d / "store")
+    assert _io_threads() == before
+
+
+# ---- 4. use after close raises -------------------------------------------------------------------
+def test_engine_used_after_close_raises(mixtral_store):
+    _, d = mixtral_store
+    eng = load_streamed(d / "store", cache_slots=8, prefetch="none")
+    eng.close()
+    box = {}
+
+    def use():
+        try:
+            eng.generate(torch.tensor([[1, 2, 3]]), 2)
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread
+            box["err"] = e
+
+    t = threading.Thread(target=use, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "generate after close() hangs"
+    assert isinstance(box.get("err"), RuntimeError) and "closed" in str(box["err"])
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.cache.prefetch(0, [1], deadline=1, now=0, c=MoeCounters())
+
+
+# ---- 5. convert_model on tied embeddings ---------------------------------------------------------
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe"])
+def test_convert_model_tied_embeddings(kind, tiny_moe, tmp_path):
+    model = tiny_moe(kind, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    convert_model(model, tmp_path / "s")
+    p = torch.tensor([[3, 4, 5]])
+    eng = load_streamed(tmp_path / "s", cache_slots=10)
+    try:
+        assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
+        assert eng.generate(p, 8).tolist() == model.generate(p, max_new_tokens=8, do_sample=False).tolist()
+    finally:
+        eng.close()
+
+
+# ---- 6. a predictor of another hidden size is refused --------------------------------------------
+def test_predictor_of_other_hidden_size_refused(mixtral_store, tmp_path):
+    _, d = mixtral_store
+    path = PredictorHeads(32, [8] * 4).save(tmp_path / "p32.safetensors")   # the model's hidden size is 64
+    before = _io_threads()
+    with pytest.raises(ValueError, match="hidden size 32.*64.*retrain"):
+        load_streamed(d / "store", prefetch="predictor", predictor_path=path)
+    assert _io_threads() == before
+
+
+# ---- 7. CLI: one error line, exit 2 ---------------------------------------------------------------
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [l for l in err if l.startswith("lazytrain ")]
+    assert len(lines) == 1 and "Traceback" not in "\n".join(err)
+    return lines[0]
+
+
+def test_moe_inspect_without_store(capsys):
+    assert moe_cli.main(["inspect"]) == 2
+    assert "moe.store=STORE_DIR" in _err_line(capsys)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["moe.cache_slots=abc"], "moe.cache_slots must be a positive integer"),
+    (["moe.cache_slots=9.5"], "moe.cache_slots must be a positive integer"),
+    (["moe.queue_depth=abc"], "moe.queue_depth must be a positive integer"),
+    (["moe.queue_depth=0"], "moe.queue_depth must be a positive integer"),
+    (["prompt_ids=[1,500]"], "prompt id 500 is outside the vocabulary [0, 128)"),
+    (["prompt_ids=[-3]"], "prompt id -3 is outside the vocabulary [0, 128)"),
+    (["moe.device=gpu"], "moe.device must be cpu or cuda"),
+])
+def test_generate_bad_input_one_line(mixtral_store, args, msg, capsys):
+    _, d = mixtral_store
+    before = _io_threads()
+    argv = [f"moe.store={d / 'store'}", "prompt_ids=[1,2]", "max_new_tokens=2", *args]
+    assert gen_cli.main(argv) == 2
+    assert msg in _err_line(capsys)
+    assert _io_threads() == before
+
+
+def test_cuda_without_cuda_one_line(mixtral_store, monkeypatch, capsys):
+    _, d = mixtral_store
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gen_cli.main([f"moe.store={d / 'store'}", "prompt_ids=[1,2]", "max_new_tokens=2",
+                         "moe.device=cuda"]) == 2
+    assert "CUDA is not available" in _err_line(capsys)
+
+
+def test_corrupt_files_named_one_line(mixtral_store, tmp_path, capsys):
+    _, d = mixtral_store
+    bad = tmp_path / "bad"
+    shutil.copytree(d / "store", bad)
+    (bad / "non_expert.safetensors").write_bytes(b"\x00" * 64)
+    assert gen_cli.main([f"moe.store={bad}", "prompt_ids=[1,2]", "max_new_tokens=2"]) == 2
+    assert str(bad / "non_expert.safetensors") in _err_line(capsys)
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a safetensors file\n")
+    assert gen_cli.main([f"moe.store={d / 'store'}", "prompt_ids=[1,2]", "max_new_tokens=2",
+                         "moe.prefetch=predictor", f"moe.predictor={junk}"]) == 2
+    assert str(junk) in _err_line(capsys)
