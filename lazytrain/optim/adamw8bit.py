@@ -166,7 +166,15 @@ class AdamW8bit(torch.optim.Optimizer):
         grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32)
-        mod = self._cpp(grads[0].device)
+        devices = {g.device for g in grads}
+        if len(devices) > 1:   # one sum per device (the C++ kernel reads CPU memory only)
+            return sum((self._grad_sq_sum_on(d, [g for g in grads if g.device == d]).cpu()
+                        for d in sorted(devices, key=str)), torch.zeros((), dtype=torch.float32))
+        return self._grad_sq_sum_on(grads[0].device, grads)
+
+    def _grad_sq_sum_on(self, device: torch.device, grads: list[torch.Tensor]) -> torch.Tensor:
+        """`grad_sq_sum` of flat gradients that all live on `device`."""
+        mod = self._cpp(device)
         if mod is not None and all(g.dtype in _SUPPORTED_PARAM_DTYPES for g in grads):
             return mod.grad_sq_sum([g.contiguous() for g in grads])
         return kernel_torch.grad_sq_sum(grads)

@@ -175,3 +175,20 @@ def test_unsupported_group_options_are_rejected_not_ignored(option):
     with pytest.raises(TypeError, match=option):
         opt.add_param_group(dict(params=[q], **{option: True}))
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.gpu
+def test_global_norm_over_params_on_cpu_and_cuda():
+    """Gradients on two devices are summed per device (the C++ kernel reads CPU memory only: handed
+    a CUDA pointer it would read garbage or crash)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(70_000, generator=g))
+    b = torch.nn.Parameter(torch.randn(50_000, generator=g).cuda())
+    a.grad, b.grad = torch.randn(70_000, generator=g), torch.randn(50_000, generator=g).cuda()
+    opt = AdamW8bit([a, b], lr=1e-3, max_grad_norm=1.0)
+    expect = a.grad.double().pow(2).sum() + b.grad.double().pow(2).sum().cpu()
+    got = opt.grad_sq_sum([a, b])
+    assert got.device.type == "cpu"
+    assert abs(float(got) - float(expect)) <= 1e-5 * float(expect)
