@@ -44,14 +44,17 @@ def test_cache_hit_carries_the_asked_models_name(small, tmp_path):
     assert first.model_name == model.name
 
 
-def test_fallback_plan_says_so_in_its_summary(make_llama, make_hw):
+def test_fallback_plan_says_so_and_is_not_cached(make_llama, make_hw, tmp_path):
+    """The MILP's timeout fallback (a heuristic's plan) is named in the summary, and not cached:
+    the next run tries the MILP again."""
     model = make_llama(layers=48, hidden=2048, inter=5632, vocab=32000)
     h = make_hw(device_memory_gib=6.0, host_memory_gib=24.0, nvme_capacity_gib=200.0)
     plan = plan_job(model, h, JobSpec(batch_size=2, seq_len=1024, mode="full"),
-                    PlannerOptions(time_limit_s=0.01), cache_dir=None)
+                    PlannerOptions(time_limit_s=0.01), cache_dir=tmp_path)
     if not plan.solver.fell_back:
         pytest.skip("the MILP finished within 0.01 s here")
     assert any(line.startswith("note") and plan.solver.status_detail in line for line in summary_lines(plan))
+    assert not list(tmp_path.glob("*.json"))
 
 
 @pytest.mark.parametrize("bits,master,label", [(32, "fp32", "fp32 master + moments"),
@@ -123,13 +126,3 @@ def test_damaged_cache_entry_is_resolved_not_served(small, tmp_path, caplog, dam
         again = plan_job(model, h, job, cache_dir=tmp_path)
     assert "damaged plan cache entry" in caplog.text or "corrupt plan cache entry" in caplog.text
     assert again.layers == plan.layers and again.predicted == plan.predicted
-
-
-def test_timeout_fallback_is_not_cached(make_llama, make_hw, tmp_path):
-    model = make_llama(layers=48, hidden=2048, inter=5632, vocab=32000)
-    h = make_hw(device_memory_gib=6.0, host_memory_gib=24.0, nvme_capacity_gib=200.0)
-    plan = plan_job(model, h, JobSpec(batch_size=2, seq_len=1024, mode="full"),
-                    PlannerOptions(time_limit_s=0.01), cache_dir=tmp_path)
-    if not plan.solver.fell_back:
-        pytest.skip("the MILP finished within 0.01 s here")
-    assert not list(tmp_path.glob("*.json"))
