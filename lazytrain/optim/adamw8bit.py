@@ -12,7 +12,10 @@ Deviations from bitsandbytes (details in qmap.py):
   * default block 256 as bitsandbytes' blockwise optimizers: the two absmax cost 2 x 4 / 256
     bytes per parameter, total state 2.031 bytes/param (block 4096: 2.002, but a 300-step
     fine-tune then ends 1.7% off the fp32 loss, block 256 0.3%; and the kernel is no faster);
-  * bf16 params get an fp32 master copy held here (bitsandbytes updates bf16 params in place);
+  * bf16 params get an fp32 master copy held here (bitsandbytes updates bf16 params in place).
+    The master is authoritative: a bf16 param written from outside (weights restored into the
+    model) is overwritten from it at the next step; restore the optimizer's state_dict with it,
+    or build a new optimizer;
   * gradient clipping is folded into the fused pass as a scale on the gradient (the gradient is
     never rewritten) and non-finite global norms skip the step and are counted;
   * no stochastic rounding, no percentile clipping, no paged states.
