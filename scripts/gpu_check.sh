@@ -69,6 +69,7 @@ fi
 run_train() {  # name, extra overrides...
   local name=$1; shift
   echo "== train ($name)"
+  rm -rf "$RUNS/lt-$name"   # a fresh run refuses an output_dir holding an earlier run's checkpoints
   timeout -k 5 "${TRAIN_S:-55}" $LT train $HW $M data=demo job.max_steps=15 progress=false save_every=0 \
     save_final_model=false output_dir="$RUNS/lt-$name" "$@" > "$OUTDIR/train_$name.txt" 2>&1
   local rc=$?

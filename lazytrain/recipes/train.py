@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import DiskIOError
+from ..storage.tiers import sweep_stale_scratch
 from . import checkpoint as ckpt
 from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
 from ..plan import InfeasiblePlanError, plan_job
@@ -141,14 +143,26 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
     return files, tok_dir
 
 
+def sweep_dead_scratch(nvme_dir: Path) -> None:
+    """Remove a killed run's NVMe scratch dirs in `nvme_dir` (storage.tiers.ScratchDir) before
+    free space is judged: they are what fills the drive after a kill, and a resume must not be
+    refused for them."""
+    if nvme_dir.is_dir():
+        for d in sweep_stale_scratch(nvme_dir):
+            warnings.warn(f"removed {d}: NVMe scratch files of a run that ended without cleaning up "
+                          f"(killed)", stacklevel=2)
+
+
 def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
-    """Raise StorageError (one line) unless `nvme_dir` exists, is writable and has room."""
+    """Raise StorageError (one line) unless `nvme_dir` exists, is writable and has room (after a
+    killed run's scratch files in it are removed)."""
     if create:
         nvme_dir.mkdir(parents=True, exist_ok=True)
     if not nvme_dir.is_dir():
         raise StorageError(f"storage.nvme_dir {nvme_dir} does not exist (create it or point it at an SSD)")
     if not os.access(nvme_dir, os.W_OK | os.X_OK):
         raise StorageError(f"storage.nvme_dir {nvme_dir} is not writable")
+    sweep_dead_scratch(nvme_dir)
     free = shutil.disk_usage(nvme_dir).free
     if need_bytes > free:
         raise StorageError(f"storage.nvme_dir {nvme_dir} has {free / 2**30:.1f} GiB free; the plan "
@@ -201,6 +215,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     elif plan_nvme_bytes(plan):
         # default <output_dir>/nvme does not exist yet: check the filesystem it will be created on
         where = Path(str(cfg.output_dir)).expanduser().resolve() if cfg.get("output_dir") else Path.cwd()
+        sweep_dead_scratch(where / "nvme")   # (a resumed run's default nvme dir)
         while not where.exists():
             where = where.parent
         try:
@@ -306,15 +321,15 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
 
 def job_identity(cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> dict[str, Any]:
     """What a checkpoint records of its job and a resumed run must match: engine, mode, seed, data,
-    the optimizer-state and weight precisions (the engine's state differs in layout), and the model
-    architecture (a hash of its config, without paths and version stamps)."""
+    the optimizer-state precision and the master dtype (the engine's state differs in layout), and
+    the model architecture (its config, without paths and version stamps). The compute dtype may
+    change on resume (the state holds no compute-dtype weights)."""
     arch = {k: v for k, v in pre.model.hf_config.items()
             if not k.startswith("_") and k not in ("transformers_version", "torch_dtype", "dtype",
                                                    "use_cache", "architectures", "name_or_path")}
     return {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
             "dataset": {"sequences": len(ds), "seq_len": ds.seq_len},
             "optimizer_state_bits": pre.job.optimizer_state_bits, "master_dtype": pre.job.master_dtype,
-            "compute_dtype": pre.job.compute_dtype,
             "model_config": json.loads(json.dumps(arch, sort_keys=True, default=str))}
 
 
@@ -431,7 +446,7 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         echo = _silent
     pre = pre or preflight(cfg)
     out = Path(output_dir).expanduser()
-    if not cfg.resume and ranks.main:
+    if not cfg.resume:   # (every rank: all of them stop, not only the one that writes)
         found = ckpt.latest_checkpoint(out / "checkpoints")
         if found is not None:
             # a fresh run would overwrite its metrics and prune its checkpoints

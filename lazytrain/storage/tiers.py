@@ -9,6 +9,7 @@ must come from `aligned_empty` and have `round_up`-ed lengths.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -136,6 +137,8 @@ def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
     return p
 
 
+log = logging.getLogger(__name__)
+
 SCRATCH_PREFIX = "lazytrain-"
 _SCRATCH_LOCK = ".owner.lock"
 
@@ -144,16 +147,25 @@ class ScratchDir:
     """A process's own subdirectory of nvme_dir for NVMe-tier files (`<nvme_dir>/lazytrain-<pid>-<n>`).
 
     It holds an exclusive flock on its lock file for as long as it lives; the kernel drops the lock
-    when the process dies, however it dies. A killed run never removes its directory, so a new one
-    first removes every such directory whose lock it can take (their owners are gone): repeated
-    kill-and-resume cycles do not fill the drive. Directories without a lock file are left alone.
+    when the process dies, however it dies. A killed run never removes its directory, so a new run
+    first removes every such directory whose lock it can take (`sweep_stale_scratch`: their
+    owners are gone), so that repeated kill-and-resume cycles do not fill the drive. The directory
+    is made and locked under a name the sweep ignores, then renamed into place: a sweep by another
+    process can never see it unlocked. On a filesystem without flock it works unlocked (warned),
+    and sweeps there remove nothing.
     """
 
     def __init__(self, nvme_dir: Path) -> None:
-        self.removed = sweep_stale_scratch(nvme_dir)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=nvme_dir))
-        self._fd = os.open(self.path / _SCRATCH_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        pid = os.getpid()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{SCRATCH_PREFIX}{pid}-", dir=nvme_dir))
+        self._fd: int | None = os.open(tmp / _SCRATCH_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            log.warning("cannot lock NVMe scratch dir %s (%s): a killed run's files there will not "
+                        "be cleaned up automatically", tmp, e.strerror or e)
+        self.path = Path(nvme_dir) / f"{SCRATCH_PREFIX}{pid}-{tmp.name.rsplit('-', 1)[-1]}"
+        os.rename(tmp, self.path)
 
     def close(self) -> None:
         if self._fd is None:
@@ -164,13 +176,18 @@ class ScratchDir:
 
 
 def sweep_stale_scratch(nvme_dir: Path) -> list[Path]:
-    """Remove the scratch directories of processes that are gone (see ScratchDir); the removed."""
+    """Remove the scratch directories of processes that are gone (see ScratchDir); the removed.
+    This process's own are never touched: where flock is emulated with per-process POSIX locks
+    (NFS), its own live lock would not stop it."""
     removed = []
     try:
         entries = list(Path(nvme_dir).glob(f"{SCRATCH_PREFIX}*"))
     except OSError:
         return removed
+    mine = f"{SCRATCH_PREFIX}{os.getpid()}-"
     for d in entries:
+        if d.name.startswith(mine):
+            continue
         lock = d / _SCRATCH_LOCK
         try:
             fd = os.open(lock, os.O_RDWR)
@@ -178,7 +195,7 @@ def sweep_stale_scratch(nvme_dir: Path) -> list[Path]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:   # held: its process is alive
+        except OSError:   # held (its process is alive), or no flock here: left alone
             os.close(fd)
             continue
         try:
