@@ -29,7 +29,9 @@ def main(argv: list[str]) -> int:
                              "(create it with `lazytrain moe convert model.path=HF_DIR out=STORE_DIR`)")
         from ..moe.api import generate
 
-        prompt_ids = list(cfg.prompt_ids) if cfg.get("prompt_ids") else None
+        prompt_ids = list(cfg.prompt_ids) if cfg.get("prompt_ids") is not None else None
+        if prompt_ids is not None and not prompt_ids:   # (an empty list: not the default prompt)
+            raise ValueError("prompt_ids=[] is empty; give token ids, or prompt=TEXT")
         res = generate(cfg.moe.store, prompt=cfg.prompt, prompt_ids=prompt_ids,
                        max_new_tokens=int(cfg.max_new_tokens), **engine_kwargs(cfg))
     except USER_ERRORS as e:

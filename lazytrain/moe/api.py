@@ -96,6 +96,12 @@ def train_predictor(eng: StreamedMoE, token_ids: list[int], out: str | Path, *, 
                     holdout: float = 0.1, log=print) -> dict:
     """Record traces, fit the next-layer heads, save them; returns held-out recall of the speculative
     gate and of the trained predictor (fraction of next-layer routed experts in the predicted top-k)."""
+    if len(eng.layers) < 2:
+        raise ValueError(f"the model has {len(eng.layers)} MoE layer(s); a next-layer predictor needs "
+                         f"at least 2 (without one, use moe.prefetch=gate or none)")
+    if min(len(token_ids), max_tokens) < seq_len:
+        raise ValueError(f"the training text has {len(token_ids)} tokens, less than one sequence of "
+                         f"seq_len={seq_len}; give more text or a smaller seq_len")
     traces = record_traces(eng, token_ids, seq_len, max_tokens)
     n = traces[0][0].shape[0]
     cut = int(n * (1 - holdout)) // seq_len * seq_len or n

@@ -212,6 +212,7 @@ def test_moe_inspect_without_store(capsys):
     (["prompt_ids=[1,500]"], "prompt id 500 is outside the vocabulary [0, 128)"),
     (["prompt_ids=[-3]"], "prompt id -3 is outside the vocabulary [0, 128)"),
     (["moe.device=gpu"], "moe.device must be cpu or cuda"),
+    (["prompt_ids=[]"], "prompt_ids=[] is empty"),
 ])
 def test_generate_bad_input_one_line(mixtral_store, args, msg, capsys):
     _, d = mixtral_store
@@ -243,3 +244,24 @@ def test_corrupt_files_named_one_line(mixtral_store, tmp_path, capsys):
     assert gen_cli.main([f"moe.store={d / 'store'}", "prompt_ids=[1,2]", "max_new_tokens=2",
                          "moe.prefetch=predictor", f"moe.predictor={junk}"]) == 2
     assert str(junk) in _err_line(capsys)
+
+
+def test_train_predictor_says_what_to_do(mixtral_store, tiny_moe, tmp_path):
+    """Too little text, or a model with one MoE layer, used to fail inside torch (an empty cat, an
+    empty parameter list) with nothing to act on."""
+    from lazytrain.moe.api import train_predictor
+    _, d = mixtral_store
+    eng = load_streamed(d / "store", cache_slots=16, prefetch="none")
+    try:
+        with pytest.raises(ValueError, match="less than one sequence of seq_len=128; give more text"):
+            train_predictor(eng, list(range(50)), tmp_path / "p.safetensors", seq_len=128)
+    finally:
+        eng.close()
+    one = tiny_moe("mixtral", num_hidden_layers=1)
+    convert_model(one, tmp_path / "one")
+    eng = load_streamed(tmp_path / "one", cache_slots=16, prefetch="none")
+    try:
+        with pytest.raises(ValueError, match="1 MoE layer.*needs at least 2"):
+            train_predictor(eng, list(range(300)), tmp_path / "p.safetensors", seq_len=32)
+    finally:
+        eng.close()
