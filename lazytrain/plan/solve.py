@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import __version__
 from ..costmodel import JobCosts, job_costs
 from ..spec import GiB, HardwareSpec, JobSpec, ModelSpec
-from .assignment import RECOMPUTE, Assignment
+from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
 from .milp import MilpResult, Pins, solve_milp
@@ -209,6 +209,9 @@ def simulate_plan(plan: Plan) -> Timeline:
 # ---- explanations ---------------------------------------------------------------------------
 
 def _gib(n: float) -> str:
+    """GiB to 0.01; a non-zero amount below that in MiB (a toy model's "0.00 GiB" says nothing)."""
+    if 0 < abs(n) < 0.005 * GiB:
+        return f"{n / 2**20:.2f} MiB"
     return f"{n / GiB:.2f} GiB"
 
 
@@ -334,6 +337,21 @@ def best_split(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     return sorted(out, key=lambda t: -t[2].predicted.tokens_per_s)
 
 
+def _least_host_and_nvme(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
+                         options: PlannerOptions) -> tuple[int, int]:
+    """Host and NVMe bytes of the plan that keeps the least on the host: everything that may live
+    on NVMe there (parameters, activations, gradients, optimizer state; 8-bit states stay on the
+    host, as `pins_for` requires). The host figure is a floor for any plan; the sum, about what
+    host and NVMe must hold together."""
+    costs = job_costs(model, hw, job)
+    n = model.num_layers + 2
+    opt = "host" if job.mode == "full" and job.optimizer_state_bits == 8 else "nvme"
+    a = Assignment(segments=tuple(Segment(j, j + 1, STORE, "nvme") for j in range(model.num_layers)),
+                   param_tier=("nvme",) * n, grad_tier=("nvme",) * n, optimizer_tier=(opt,) * n)
+    peaks = memory_peaks(costs, a, options.prefetch_depth)[0]
+    return peaks["host"], peaks["nvme"]
+
+
 def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
                        method: str = "milp") -> list[str]:
     need = min_device_bytes(model, hw, job, options, method)
@@ -342,10 +360,16 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         return [f"the planner hit planner.time_limit_s={options.time_limit_s} before finding any plan "
                 f"or proving none fits; raise planner.time_limit_s"]
     if need is None:
-        return [f"{what} fits: host ({_gib(hw.host_usable_bytes)} usable) and NVMe "
-                f"({_gib(hw.nvme_capacity_bytes)}) cannot hold the parameters, gradients and optimizer "
-                f"state of {model.name} ({model.param_count / 1e9:.2f}B params, mode {job.mode}); "
-                f"add host memory or NVMe, use job.mode=lora or job.optimizer_state_bits=8"]
+        host, nvme = _least_host_and_nvme(model, hw, job, options)
+        if host > hw.host_usable_bytes:
+            why = (f"the host needs at least {_gib(host)} even with everything that may live on NVMe "
+                   f"there (it has {_gib(hw.host_usable_bytes)} usable)")
+        else:
+            why = (f"host ({_gib(hw.host_usable_bytes)} usable) and NVMe ({_gib(hw.nvme_capacity_bytes)}) "
+                   f"together hold less than the ~{_gib(host + nvme)} it needs")
+        return [f"{what} fits: the parameters, gradients and optimizer state of {model.name} "
+                f"({model.param_count / 1e9:.2f}B params, mode {job.mode}) do not fit off the device: "
+                f"{why}; add host memory or NVMe, use job.mode=lora or job.optimizer_state_bits=8"]
     best = 0
     if job.batch_size > 1:
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1)

@@ -126,3 +126,25 @@ def test_damaged_cache_entry_is_resolved_not_served(small, tmp_path, caplog, dam
         again = plan_job(model, h, job, cache_dir=tmp_path)
     assert "damaged plan cache entry" in caplog.text or "corrupt plan cache entry" in caplog.text
     assert again.layers == plan.layers and again.predicted == plan.predicted
+
+
+def test_off_device_infeasibility_names_what_is_short(small):
+    """When host and NVMe cannot hold the job, the explanation says whether the host alone is
+    short, by how much (a floor: with that much usable host memory and ample NVMe the job plans),
+    or how much host and NVMe must hold together; not a bare "cannot hold"."""
+    import re
+
+    from lazytrain.spec import GiB
+    model, h, job = small
+    job = replace(job, mode="full")
+    tiny_host = replace(h, host_memory_gib=h.host_reserve_gib + 0.0001, nvme_capacity_gib=100.0)
+    plan = plan_job(model, tiny_host, job, cache_dir=None)
+    text = " ".join(plan.explanation)
+    m = re.search(r"the host needs at least ([0-9.]+) (MiB|GiB) even with everything that may live on NVMe", text)
+    assert not plan.fits and m, text
+    floor = float(m.group(1)) * (2**20 if m.group(2) == "MiB" else GiB)
+    enough = replace(tiny_host, host_memory_gib=h.host_reserve_gib + floor * 1.02 / GiB)
+    assert plan_job(model, enough, job, cache_dir=None).fits
+    no_nvme = replace(h, nvme_capacity_gib=0.0, host_memory_gib=h.host_reserve_gib + floor * 1.02 / GiB)
+    text = " ".join(plan_job(model, no_nvme, job, cache_dir=None).explanation)
+    assert "together hold less than the ~" in text, text
