@@ -168,6 +168,17 @@ def ds_config_from_plan(plan: Plan, overrides: Mapping[str, Any] | None = None, 
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     if job.optimizer_state_bits == 8:
         dropped.append("optimizer_state_bits=8: DeepSpeed's CPU/NVMe offload runs fp32 Adam states")
+    if job.master_dtype == "bf16":
+        dropped.append("master_dtype=bf16: DeepSpeed keeps fp32 master weights and Adam states "
+                       "(about twice the optimizer memory the plan sized)")
+    if job.loss_chunk_tokens:
+        dropped.append(f"loss_chunk_tokens={job.loss_chunk_tokens}: DeepSpeed runs the model's own "
+                       f"(unchunked) loss")
+    if not job.clip_grad:
+        # DeepSpeed 0.19 clips at 1.0 when the key is absent; the plan's job does not clip. (With
+        # clipping, the threshold is the recipe's optim.max_grad_norm, which the plan does not hold:
+        # lazytrain's trainer sets it.)
+        cfg["gradient_clipping"] = 0.0
     if overrides:
         _deep_merge(cfg, overrides)
     return cfg, dropped

@@ -114,10 +114,13 @@ class TorchEngine:
             (loss / len(micro_batches)).backward()
             total += float(loss.detach())
             tokens += x.numel()
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.params, self.max_grad_norm if self.max_grad_norm else float("inf"))
-        gn = float(norm)
-        skipped = not math.isfinite(gn)
+        # optim.max_grad_norm=null: no clipping and no norm, so a non-finite gradient is applied,
+        # as by torch's AdamW and the streaming executor (configs/train.yaml); inf: no clipping,
+        # but a non-finite norm skips the step
+        gn, skipped = None, False
+        if self.max_grad_norm is not None:
+            gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf")))
+            skipped = not math.isfinite(gn)
         if not skipped:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -200,7 +203,7 @@ class StreamingEngine:
         self.ex.load_state_dict(sd)
 
     def sync_model(self) -> None:
-        self.ex.sync_model()
+        self.ex.sync_model(full_precision=True)   # (for saving: the fp32 masters, as trained)
 
     def close(self) -> None:
         self.ex.close()

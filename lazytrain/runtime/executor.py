@@ -898,11 +898,13 @@ class StreamingExecutor:
             if lay.publish is not None:
                 lay.publish.result()
 
-    def _layer_values(self, i: int) -> list[torch.Tensor]:
-        """Current compute-dtype weights of layer i, as fresh tensors (not views of any buffer)."""
+    def _layer_values(self, i: int, full_precision: bool = False) -> list[torch.Tensor]:
+        """Current weights of layer i, as fresh tensors (not views of any buffer): in the compute
+        dtype, or with `full_precision` the trained layers' master weights as they are."""
         lay, d = self.layers[i], self.decisions[i]
         if self.states[i] is not None:
-            flat = self.states[i].master().to(lay.layout.dtype)
+            master = self.states[i].master()
+            flat = master.clone() if full_precision else master.to(lay.layout.dtype)
         elif d.param_tier == "device":
             flat = lay.resident.clone()
         elif d.param_tier == "host":
@@ -915,12 +917,15 @@ class StreamingExecutor:
             flat = typed(buf, lay.layout.dtype, lay.layout.numel).clone()
         return [v.clone() for v in lay.layout.views(flat.to(self.device))]
 
-    def sync_model(self) -> nn.Module:
-        """Write current weights back into `self.model`'s parameters (for saving / evaluation)."""
+    def sync_model(self, full_precision: bool = False) -> nn.Module:
+        """Write current weights back into `self.model`'s parameters (for saving / evaluation).
+        `full_precision`: the trained layers get their master weights (fp32 with an fp32 master),
+        what a saved model must hold: rounded to the compute dtype, a fine-tune's small updates
+        are partly lost (as the other engines, which save their fp32 weights)."""
         self.wait()
         self.streamer.invalidate()
         for i, lay in enumerate(self.layers):
-            for p, v in zip(lay.params, self._layer_values(i)):
+            for p, v in zip(lay.params, self._layer_values(i, full_precision)):
                 p.data = v
         self._synced = True
         return self.model

@@ -93,3 +93,20 @@ def test_config_module_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_no_clipping_bf16_master_and_chunked_loss_are_expressed_or_reported():
+    """DeepSpeed 0.19 clips at 1.0 when gradient_clipping is absent: a plan whose job does not clip
+    exports 0.0. Pure-bf16 training and a chunked loss have no DeepSpeed equivalent: reported."""
+    from deepspeed.runtime.config import DeepSpeedConfig   # (what DeepSpeed itself reads)
+
+    plan = make_plan(job=JobSpec(batch_size=1, seq_len=8, clip_grad=False, master_dtype="bf16",
+                                 loss_chunk_tokens=4))
+    cfg, dropped = ds_config_from_plan(plan)
+    assert cfg["gradient_clipping"] == 0.0
+    ds_cfg = {k: v for k, v in cfg.items() if k != "lazytrain"}
+    assert DeepSpeedConfig(ds_cfg).gradient_clipping == 0.0
+    assert any(d.startswith("master_dtype=bf16") for d in dropped)
+    assert any(d.startswith("loss_chunk_tokens=4") for d in dropped)
+    clipped, _ = ds_config_from_plan(make_plan(job=JobSpec(batch_size=1, seq_len=8, clip_grad=True)))
+    assert "gradient_clipping" not in clipped   # the threshold is the recipe's, set by its trainer

@@ -399,3 +399,51 @@ def test_final_model_on_a_full_disk_names_the_file(base_overrides, tmp_path, cap
     assert "No space left on device" in io.err and "Traceback" not in io.err
     assert not (out / "final.tmp").exists() and not (out / "final").exists()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+def test_bf16_compute_saves_the_fp32_masters(base_overrides, tmp_path, capsys):
+    """A full fine-tune computing in bf16 with fp32 masters saves the masters (as engine=torch saves
+    its fp32 weights), not their bf16 rounding, which loses part of a fine-tune's small updates."""
+    from safetensors.torch import load_file
+    out = tmp_path / "lt"
+    rc, io = _main([*base_overrides, "engine=lazytrain", "job.compute_dtype=bf16", "job.master_dtype=fp32",
+                    "job.max_steps=2", f"output_dir={out}", *SMALL_BUDGET], capsys)
+    assert rc == 0, io.err
+    saved = {}
+    for f in (out / "final").glob("*.safetensors"):
+        saved.update(load_file(f))
+    trained = [v for k, v in saved.items() if "layers.0.self_attn.q_proj" in k]
+    assert trained and all(v.dtype == torch.float32 for v in saved.values())
+    assert not torch.equal(trained[0], trained[0].bfloat16().float())   # more than bf16 precision
+
+
+def test_torch_and_lazytrain_treat_a_nan_gradient_alike(base_overrides, tmp_path, monkeypatch):
+    """optim.max_grad_norm=null means no norm: a non-finite gradient is applied by the reference
+    engine as by the streaming executor (and torch's AdamW); with a norm (inf: no clipping) the
+    step is skipped by both."""
+    import math
+
+    from lazytrain.cli.config import load_config
+    from lazytrain.recipes import engines as E
+    from lazytrain.recipes.train import run
+
+    real = E.TorchEngine.train_step
+
+    def poisoned(self, micro_batches):   # a NaN in the loss of step 2
+        self._n = getattr(self, "_n", 0) + 1
+        if self._n == 2:
+            hook = self.params[0].register_hook(lambda g: torch.full_like(g, float("nan")))
+            try:
+                return real(self, micro_batches)
+            finally:
+                hook.remove()
+        return real(self, micro_batches)
+    monkeypatch.setattr(E.TorchEngine, "train_step", poisoned)
+    for norm, poisoned_after in (("null", True), ("inf", False)):
+        out = tmp_path / norm
+        cfg = load_config([*base_overrides, "job.max_steps=3", f"optim.max_grad_norm={norm}",
+                           f"output_dir={out}", "save_final_model=false"], config_name="train")
+        run(cfg, out, echo=lambda *_: None)
+        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        assert math.isnan(recs[2]["loss"]) == poisoned_after, (norm, recs)
+        assert recs[1]["skipped"] == (not poisoned_after)
