@@ -249,6 +249,13 @@ class DeepSpeedTrainer:
             sd = ({k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
                   if keep else {})
         masters = self.trainable_state(keep=keep)
+        # named_parameters() lists a tied weight once (under its first name, the embedding's):
+        # every alias of it gets the master, or the file holds the fp32 embedding next to a
+        # compute-dtype lm_head and from_pretrained unties them ("different values")
+        first = {id(p): n for n, p in self.model.named_parameters()}
+        for alias, p in self.model.named_parameters(remove_duplicate=False):
+            if first[id(p)] in masters and alias in sd:
+                sd[alias] = masters[first[id(p)]]
         for k in sd:
             if k in masters:
                 sd[k] = masters[k]

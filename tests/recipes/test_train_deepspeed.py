@@ -62,3 +62,28 @@ def test_two_ranks_train_the_single_process_job_and_resume(base_overrides, tmp_p
     assert (last / "rng-rank1.safetensors").is_file()
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(two / "final")
+
+
+@pytest.mark.slow  # DeepSpeed's CPUAdam JIT build and gloo start-up take tens of seconds
+def test_deepspeed_bf16_tied_model_saves_tied(base_overrides, tmp_path):
+    """With bf16 compute and tied embeddings, the saved lm_head is the embedding's fp32 master too
+    (it was the bf16 copy: from_pretrained in fp32 then untied them, values differing)."""
+    from lazytrain.integrations.deepspeed import check_available
+    msg = check_available()
+    if msg:
+        pytest.skip(msg)
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "ds"
+    run(load_config([*base_overrides, "engine=deepspeed", "job.max_steps=2", "job.compute_dtype=bf16",
+                     "model.hf_config.tie_word_embeddings=true", f"output_dir={out}"], config_name="train"),
+        out, echo=lambda *_: None)
+    sd = {}
+    for f in (out / "final").glob("*.safetensors"):
+        sd.update(load_file(f))
+    emb = sd["model.embed_tokens.weight"]
+    assert emb.dtype == torch.float32
+    assert "lm_head.weight" not in sd or torch.equal(sd["lm_head.weight"], emb)
+    m = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
