@@ -57,8 +57,12 @@ def largest_param_numel(model_config: Mapping[str, Any]) -> int:
     spec = ModelSpec.from_hf_config(dict(model_config))
     best = spec.vocab_size * spec.hidden_size
     for layer in spec.layers:
-        for lin in layer.linears:
-            best = max(best, lin.in_features * lin.out_features * max(1, lin.count))
+        sizes = {lin.name: lin.in_features * lin.out_features * max(1, lin.count) for lin in layer.linears}
+        # transformers >= 5 fuses routed experts' gate and up projections into one tensor
+        # (experts.gate_up_proj, [E, 2I, H]): one DeepSpeed parameter of twice either's size
+        if "experts.gate_proj" in sizes and "experts.up_proj" in sizes:
+            sizes["experts.gate_up_proj"] = sizes.pop("experts.gate_proj") + sizes.pop("experts.up_proj")
+        best = max([best, *sizes.values()])
     return best
 
 

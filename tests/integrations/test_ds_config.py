@@ -110,3 +110,18 @@ def test_no_clipping_bf16_master_and_chunked_loss_are_expressed_or_reported():
     assert any(d.startswith("loss_chunk_tokens=4") for d in dropped)
     clipped, _ = ds_config_from_plan(make_plan(job=JobSpec(batch_size=1, seq_len=8, clip_grad=True)))
     assert "gradient_clipping" not in clipped   # the threshold is the recipe's, set by its trainer
+
+
+def test_largest_parameter_counts_fused_experts_as_one():
+    """DeepSpeed's NVMe buffer_size must hold the largest parameter; transformers fuses a routed
+    MoE layer's gate and up projections into one [E, 2I, H] tensor: counted as such (a Mixtral's
+    was counted at half its size), checked against the model transformers builds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lazytrain.cli.config import load_config, model_spec
+    hf = dict(model_spec(load_config(["model=tiny-mixtral"])).hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf["model_type"], **{
+            k: v for k, v in hf.items() if k != "model_type"}))
+    assert largest_param_numel(hf) == max(p.numel() for p in model.parameters())
