@@ -186,6 +186,8 @@ def preflight(cfg: DictConfig) -> Preflight:
         check_safetensors(weights)
     hw = hardware_spec(cfg)
     job, max_steps = job_spec_of(cfg)
+    if job.mode == "lora":
+        check_lora_targets(mspec, cfg.model.get("path"), job.lora_targets)
     for what in ("compute_dtype", "master_dtype"):
         if getattr(job, what) not in TORCH_DTYPES:
             raise ConfigError(f"job.{what}={getattr(job, what)} cannot train; valid: "
@@ -224,6 +226,29 @@ def preflight(cfg: DictConfig) -> Preflight:
             raise StorageError(f"{e} (storage.nvme_dir defaults to <output_dir>/nvme; set "
                                f"storage.nvme_dir=DIR on a larger disk)") from None
     return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds)
+
+
+def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> None:
+    """LoRA targets that name no linear layer of the model, reported before anything is written
+    (apply_lora's own check runs only once the model is built, after plan.json). The model is
+    built on the meta device: no weights are read or allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if model_path:
+            config = AutoConfig.from_pretrained(str(Path(model_path).expanduser()), local_files_only=True)
+        else:
+            hf = dict(mspec.hf_config)
+            config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - anything else is build_model's to report, with its context
+        return
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in targets if t not in names]
+    if missing or not targets:
+        raise ConfigError(f"job.lora_targets {missing or list(targets)} match no linear layer of "
+                          f"{mspec.name}; its linear layers: {', '.join(sorted(names))}")
 
 
 def check_safetensors(files: list[Path]) -> None:

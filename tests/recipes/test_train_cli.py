@@ -447,3 +447,9 @@ def test_torch_and_lazytrain_treat_a_nan_gradient_alike(base_overrides, tmp_path
         recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
         assert math.isnan(recs[2]["loss"]) == poisoned_after, (norm, recs)
         assert recs[1]["skipped"] == (not poisoned_after)
+
+
+def test_lora_targets_the_model_lacks_are_caught_before_anything_is_written(base_overrides, tmp_path, capsys):
+    err = _bad(capsys, [*base_overrides, "job.mode=lora", "job.lora_targets=[q_proj,wq]"], tmp_path,
+               "job.lora_targets ['wq'] match no linear layer of tiny-llama")
+    assert "q_proj" in err and "down_proj" in err   # the names it has
