@@ -9,12 +9,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..spec.tier import Tier
 from .plan import Plan
 
 log = logging.getLogger(__name__)
 
 
-TIERS = ("device", "host", "nvme")
+TIERS = tuple(t.value for t in Tier)
 
 
 def _damage(plan: Plan) -> str:

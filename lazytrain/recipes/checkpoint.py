@@ -182,9 +182,8 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, DiskIOError):
             raise
-        why = e.strerror if isinstance(e, OSError) else str(e).strip()
-        raise DiskIOError(getattr(e, "errno", 0) or 0,
-                          f"write checkpoint {tmp} ({why}); the last checkpoint is intact") from e
+        errno, why = DiskIOError.reason(e)
+        raise DiskIOError(errno, f"write checkpoint {tmp} ({why}); the last checkpoint is intact") from e
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)   # e.g. the engine failed while streaming its state
@@ -234,22 +233,23 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def _damaged(path: Path, e: BaseException) -> DiskIOError:
+    return DiskIOError(getattr(e, "errno", 0) or 0, f"read checkpoint file {path}: {e}; the checkpoint "
+                       f"is damaged (remove {path.parent} to resume from the one before it)")
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:   # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-        raise DiskIOError(getattr(e, "errno", 0) or 0, f"read checkpoint file {path}: {e}; the "
-                          f"checkpoint is damaged (remove {path.parent} to resume from the one "
-                          f"before it)") from e
+        raise _damaged(path, e) from e
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (OSError, SafetensorError) as e:
-        raise DiskIOError(getattr(e, "errno", 0) or 0, f"read checkpoint file {path}: {e}; the "
-                          f"checkpoint is damaged (remove {path.parent} to resume from the one "
-                          f"before it)") from e
+        raise _damaged(path, e) from e
 
 
 def read_state(ckpt_dir: Path) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,12 @@ from safetensors import SafetensorError
 
 from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
-from ..models.lora import apply_lora
+from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import DiskIOError
-from ..storage.tiers import sweep_stale_scratch
+from ..storage.tiers import remove_dead_scratch
 from . import checkpoint as ckpt
 from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
 from ..plan import InfeasiblePlanError, plan_job
@@ -143,16 +142,6 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
     return files, tok_dir
 
 
-def sweep_dead_scratch(nvme_dir: Path) -> None:
-    """Remove a killed run's NVMe scratch dirs in `nvme_dir` (storage.tiers.ScratchDir) before
-    free space is judged: they are what fills the drive after a kill, and a resume must not be
-    refused for them."""
-    if nvme_dir.is_dir():
-        for d in sweep_stale_scratch(nvme_dir):
-            warnings.warn(f"removed {d}: NVMe scratch files of a run that ended without cleaning up "
-                          f"(killed)", stacklevel=2)
-
-
 def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
     """Raise StorageError (one line) unless `nvme_dir` exists, is writable and has room (after a
     killed run's scratch files in it are removed)."""
@@ -162,7 +151,7 @@ def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
         raise StorageError(f"storage.nvme_dir {nvme_dir} does not exist (create it or point it at an SSD)")
     if not os.access(nvme_dir, os.W_OK | os.X_OK):
         raise StorageError(f"storage.nvme_dir {nvme_dir} is not writable")
-    sweep_dead_scratch(nvme_dir)
+    remove_dead_scratch(nvme_dir)   # (a resume must not be refused for a killed run's files)
     free = shutil.disk_usage(nvme_dir).free
     if need_bytes > free:
         raise StorageError(f"storage.nvme_dir {nvme_dir} has {free / 2**30:.1f} GiB free; the plan "
@@ -217,7 +206,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     elif plan_nvme_bytes(plan):
         # default <output_dir>/nvme does not exist yet: check the filesystem it will be created on
         where = Path(str(cfg.output_dir)).expanduser().resolve() if cfg.get("output_dir") else Path.cwd()
-        sweep_dead_scratch(where / "nvme")   # (a resumed run's default nvme dir)
+        remove_dead_scratch(where / "nvme")   # (a resumed run's default nvme dir)
         while not where.exists():
             where = where.parent
         try:
@@ -244,11 +233,10 @@ def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> Non
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - anything else is build_model's to report, with its context
         return
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    missing = [t for t in targets if t not in names]
+    missing, names = unmatched_targets(model, targets)   # (the check apply_lora makes)
     if missing or not targets:
         raise ConfigError(f"job.lora_targets {missing or list(targets)} match no linear layer of "
-                          f"{mspec.name}; its linear layers: {', '.join(sorted(names))}")
+                          f"{mspec.name}; its linear layers: {', '.join(names)}")
 
 
 def check_safetensors(files: list[Path]) -> None:
@@ -633,9 +621,9 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, DiskIOError):
             raise
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip()
-        raise DiskIOError(getattr(e, "errno", 0) or 0, f"write the final model {tmp} ({why}); the "
-                          f"last checkpoint is intact") from e
+        errno, why = DiskIOError.reason(e)
+        raise DiskIOError(errno, f"write the final model {tmp} ({why}); the last checkpoint is "
+                                 f"intact") from e
 
 
 def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: int,

@@ -41,7 +41,7 @@ from ..storage.fastcopy import copy_into
 from ..storage.flat import FlatLayout, typed
 from ..costmodel import NVME_STATE_SETS
 from ..storage.tiers import (HostStore, NvmeStore, ScratchDir, StagingSets, check_nvme_dir,
-                             sweep_stale_scratch)
+                             remove_dead_scratch)
 from .accountant import MemoryAccountant
 from .activations import ActivationStore
 from .layer_state import LayerTrainState, clip_scale_for, total_norm
@@ -308,11 +308,8 @@ class StreamingExecutor:
         self.nvme = None
         self.scratch: ScratchDir | None = None
         if uses_nvme:
-            if self.nvme_dir is not None and Path(self.nvme_dir).is_dir():
-                # a killed run's files first (before the free-space check they would fail)
-                for d in sweep_stale_scratch(Path(self.nvme_dir)):
-                    warnings.warn(f"removed {d}: NVMe scratch files of a run that ended without "
-                                  f"cleaning up (killed)", stacklevel=2)
+            if self.nvme_dir is not None:   # a killed run's files first (the free-space check)
+                remove_dead_scratch(Path(self.nvme_dir))
             root = check_nvme_dir(self.nvme_dir, need_nvme)
             self.scratch = ScratchDir(Path(root))
             self.nvme_root = self.scratch.path

@@ -42,6 +42,14 @@ class DiskIOError(OSError):
             return self.strerror
         return super().__str__()
 
+    @staticmethod
+    def reason(e: BaseException) -> tuple[int, str]:
+        """(errno, why) of a failed I/O call: an OSError's, or the text of another library's error
+        (safetensors reports a full disk as its own SafetensorError), with errno 0."""
+        if isinstance(e, OSError) and e.strerror:
+            return e.errno or 0, e.strerror
+        return getattr(e, "errno", 0) or 0, str(e).strip()
+
 
 class DirectFile:
     """One file opened for aligned positional reads/writes; O_DIRECT when the filesystem allows."""

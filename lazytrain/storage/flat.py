@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,28 +44,8 @@ class FlatLayout:
         return cls(tuple(names), tuple(shapes), tuple(offsets), tuple(numels), dtype)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-tensor views into `flat` (a 1-D tensor of this layout's dtype). One as_strided per
-        tensor: half the cost of slice + view, and the executor makes these for every layer use."""
-        if flat.dim() != 1 or flat.stride(0) != 1:
-            raise ValueError(f"FlatLayout.views needs a contiguous 1-D tensor, got shape "
-                             f"{tuple(flat.shape)} stride {tuple(flat.stride())}")
-        if flat.numel() < self.numel:
-            raise ValueError(f"FlatLayout.views: the flat tensor has {flat.numel()} elements, the layout "
-                             f"needs {self.numel}")
-        base = flat.storage_offset()
-        return [flat.as_strided(s, st, base + o) for s, st, o in zip(self.shapes, self._strides, self.offsets)]
-
-    @functools.cached_property
-    def _strides(self) -> tuple[tuple[int, ...], ...]:
-        """Contiguous strides of each shape."""
-        out = []
-        for shape in self.shapes:
-            st, acc = [], 1
-            for d in reversed(shape):
-                st.append(acc)
-                acc *= d
-            out.append(tuple(reversed(st)))
-        return tuple(out)
+        """Per-tensor views into `flat` (a 1-D tensor of this layout's dtype)."""
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def gather(self, tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         """Copy each tensor into its slice of `flat` (casting to the flat buffer's dtype)."""

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -173,6 +174,15 @@ class ScratchDir:
         shutil.rmtree(self.path, ignore_errors=True)
         os.close(self._fd)   # (the lock goes with it)
         self._fd = None
+
+
+def remove_dead_scratch(nvme_dir: Path) -> None:
+    """`sweep_stale_scratch`, warning about each dir removed; nothing if `nvme_dir` is no dir.
+    Called before free space is judged: a killed run's files are what fills the drive."""
+    if Path(nvme_dir).is_dir():
+        for d in sweep_stale_scratch(Path(nvme_dir)):
+            warnings.warn(f"removed {d}: NVMe scratch files of a run that ended without cleaning up "
+                          f"(killed)", stacklevel=3)
 
 
 def sweep_stale_scratch(nvme_dir: Path) -> list[Path]:
