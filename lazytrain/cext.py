@@ -48,8 +48,13 @@ class Extension:
         self._tried = False
 
     def build_dir(self) -> Path:
-        """Where the compiled extension lives (created on demand)."""
-        return extensions_root() / self.name
+        """Where the compiled extension lives (created on demand): one dir per torch and Python
+        version, so environments with different torch builds sharing a home do not rebuild over the
+        library another one has loaded (a process that loads it mid-rebuild gets a mismatched ABI)."""
+        import torch
+
+        tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+        return extensions_root() / f"{self.name}-{tag.replace('+', '_')}"
 
     def _fail(self, reason: str) -> None:
         self._reason = reason

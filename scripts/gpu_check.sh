@@ -38,6 +38,23 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 PY
 
+# Build what is built on first use once, up front and timed, so the tests' time limit is spent on
+# tests (the xdist workers would otherwise queue on the build lock, and each compile the kernel).
+echo "== build"
+timeout -k 5 "${BUILD_S:-150}" $PY - <<'PY' 2>&1 | tee "$OUTDIR/build.txt" | tail -6
+import time, torch
+from lazytrain.optim import AdamW8bit, kernel_compiled, kernel_cpp
+from lazytrain.storage import fastcopy
+t = time.perf_counter(); ok = kernel_cpp.load() is not None
+print(f"adam8bit C++ kernel: {ok} ({kernel_cpp.unavailable_reason() or 'built'}) {time.perf_counter() - t:.0f} s")
+t = time.perf_counter(); print(f"stream-copy C++ kernel: {fastcopy.available()} {time.perf_counter() - t:.0f} s")
+if torch.cuda.is_available():
+    t = time.perf_counter()
+    p = torch.nn.Parameter(torch.randn(3 << 20, device="cuda")); p.grad = torch.randn_like(p)
+    AdamW8bit([p], lr=1e-3, max_grad_norm=1.0).step(); torch.cuda.synchronize()
+    print(f"compiled CUDA 8-bit kernel: {kernel_compiled.failed() or 'ok'} {time.perf_counter() - t:.0f} s")
+PY
+
 echo "== gpu tests"
 XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 4"   # 4 processes share the GPU
 timeout -k 5 "${GPU_TESTS_S:-150}" $PY -m pytest -m gpu $XDIST -p no:warnings -p no:cacheprovider -rfEs \

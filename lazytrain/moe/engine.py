@@ -81,8 +81,11 @@ class StreamedMoE:
         whole pool would make the kernel copy every slot on each call)."""
         flags = self._proxies.get(layer)
         if flags is None:
-            flags = dict(has_gate=experts.has_gate, has_bias=experts.has_bias,
-                         is_transposed=experts.is_transposed, has_post_expert_norm=experts.has_post_expert_norm,
+            # flags a transformers release may not have (5.17 lacks the post-expert norm) get the
+            # value that means "absent", which is what that release's kernels assume
+            flags = dict(has_gate=experts.has_gate, has_bias=getattr(experts, "has_bias", False),
+                         is_transposed=experts.is_transposed,
+                         has_post_expert_norm=getattr(experts, "has_post_expert_norm", False),
                          post_expert_norm=getattr(experts, "post_expert_norm", None),
                          _is_expert_parallel=False, act_fn=experts.act_fn, _apply_gate=experts._apply_gate,
                          config=experts.config, training=False)

@@ -116,3 +116,15 @@ def test_extension_without_compiler_says_why(monkeypatch, tmp_path):
     ext = Extension("lazytrain_never_built", tmp_path / "missing.cpp", "test kernel", "the fallback")
     assert ext.load() is None
     assert "no-such-compiler-xyz" in ext.unavailable_reason() and "test kernel" in ext.unavailable_reason()
+
+
+def test_build_dir_is_per_torch_and_python_version(monkeypatch, tmp_path):
+    """Two environments with different torch versions must not share (and rebuild over) one build."""
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = Extension("lazytrain_never_built", tmp_path / "missing.cpp", "test kernel", "the fallback")
+    here = ext.build_dir()
+    assert here.parent == tmp_path and here.name.startswith("lazytrain_never_built-")
+    monkeypatch.setattr(torch, "__version__", "0.0.1+other")
+    assert ext.build_dir() != here
