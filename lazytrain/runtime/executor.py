@@ -181,6 +181,11 @@ class StreamingExecutor:
         self.cuda = self.device.type == "cuda"
         if not self.cuda:
             keep_freed_memory()   # no page faults for the tensors every layer re-allocates (malloc.py)
+        # CUDA copy streams of their own: weight gradients leaving the device (queued behind the
+        # layer's backward, not waited for by the launching thread) and updated weights of
+        # device-resident layers going back (not queued behind the compute stream's kernels)
+        self.grad_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.publish_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.parts: DecoderParts = find_parts(model)
         if plan.job.loss_chunk_tokens:
             check_chunked_loss(self.parts)
@@ -410,8 +415,18 @@ class StreamingExecutor:
                     # took 146 ms/step against 67 ms for the update alone.
                     src = _to_pinned(master, lay.resident.dtype)
                 if self.cuda:
+                    # On the publish stream, waited for here (this optimizer thread) before the
+                    # update counts as done: the next forward waits for `lay.ready` before it
+                    # queues a kernel that reads the layer, and every kernel that read the old
+                    # weights (the layer's backward) ran before its gradients' copy, which the
+                    # update waited for. On the compute stream the copy would wait for every
+                    # kernel queued so far.
                     with self.trace.span("h2d", lay.name, lay.resident.nbytes, "device", "params"):
-                        lay.resident.copy_(src)
+                        with torch.cuda.stream(self.publish_stream):
+                            lay.resident.copy_(src, non_blocking=True)
+                            done = torch.cuda.Event()
+                            done.record(self.publish_stream)
+                        done.synchronize()   # keeps `src` alive until the copy ran
                 else:   # the update's own write of the compute-dtype weights (no transfer on a CPU)
                     copy_into(lay.resident, src)
             elif d.param_tier == "host":
@@ -546,22 +561,39 @@ class StreamingExecutor:
             # already), as the planner counts them (plan.ops.grads_in_flight).
             self._drain_grads(keep=1)
             self.acct.alloc(nb, "grads")
+            landed = None
             if self.cuda:
-                # d2h on this thread's stream order, into pinned memory (a DMA copy; a pageable
-                # destination runs ~5x slower, through a staging buffer), blocking; the optimizer
-                # thread adds into fp32 on the host.
-                pg = [_to_pinned(gr) if gr is not None else None for gr in pg]
-                self.acct.free(nb, "grads")
-                nb = 0
+                # d2h into pinned memory (a DMA copy; a pageable destination runs ~5x slower,
+                # through a staging buffer) on the grad stream, queued behind this backward: this
+                # thread goes on launching the next layer's kernels (a blocking copy would wait for
+                # the GPU to drain its queue at every layer). The optimizer thread waits for
+                # `landed`, then adds into fp32 on the host. The device grads stay counted until
+                # then; record_stream keeps the allocator from reusing them before the copy ran.
+                self.grad_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.grad_stream):
+                    dev, pg = pg, [None if gr is None else
+                                   torch.empty_like(gr, device="cpu", pin_memory=True).copy_(gr, non_blocking=True)
+                                   for gr in pg]
+                    landed = torch.cuda.Event()
+                    landed.record(self.grad_stream)
+                for gr in dev:
+                    if gr is not None:
+                        gr.record_stream(self.grad_stream)
+                del dev
 
             # this micro-batch's contribution from the layer that borrows these weights, if any
             borrowed = self.borrowed_grads.pop(i, None)
 
-            def accumulate(pg=pg, nb=nb, borrowed=borrowed) -> None:
+            def accumulate(pg=pg, nb=nb, borrowed=borrowed, landed=landed) -> None:
+                held = nb
                 try:
+                    if landed is not None:   # CUDA: the copy is in pinned memory; the device's are free
+                        landed.synchronize()
+                        self.acct.free(held, "grads")
+                        held = 0
                     st.accumulate(list(pg), first, last, shared=borrowed)
                 finally:   # a failed accumulation leaves nothing counted (the step raises)
-                    self.acct.free(nb, "grads")
+                    self.acct.free(held, "grads")
 
             fut = self.opt_pool.submit(accumulate)
             self._pending.append(fut)
