@@ -50,7 +50,10 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             return compose(config_name=config_name, overrides=overrides)
     except HydraException as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        lines = str(e).splitlines()
+        # keep Hydra's hint for a key the config does not declare ("To append to your config use +k=v")
+        hint = [x for x in lines[1:2] if x.startswith("To append")]
+        raise ConfigError(" ".join(lines[:1] + hint)) from None
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:

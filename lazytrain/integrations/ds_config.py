@@ -79,10 +79,10 @@ def _ranges(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 6 else ", ".join(names[:5]) + f", ... ({len(names)} layers)"
 
 
-def _deep_merge(base: dict, over: Mapping[str, Any]) -> dict:
+def deep_merge(base: dict, over: Mapping[str, Any]) -> dict:
     for k, v in over.items():
         if isinstance(v, Mapping) and isinstance(base.get(k), dict):
-            _deep_merge(base[k], v)
+            deep_merge(base[k], v)
         else:
             base[k] = copy.deepcopy(v)
     return base
@@ -184,7 +184,7 @@ def ds_config_from_plan(plan: Plan, overrides: Mapping[str, Any] | None = None, 
         # lazytrain's trainer sets it.)
         cfg["gradient_clipping"] = 0.0
     if overrides:
-        _deep_merge(cfg, overrides)
+        deep_merge(cfg, overrides)
     return cfg, dropped
 
 

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 
 from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
+from ..integrations.ds_config import deep_merge, ds_config_from_plan
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -158,6 +159,80 @@ def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
                            f"puts {need_bytes / 2**30:.1f} GiB on NVMe")
 
 
+# DeepSpeed keys that define the job itself: lazytrain's own settings set them, on every engine alike
+DS_JOB_KEYS = {
+    "train_batch_size": "job.batch_size and job.grad_accum",
+    "train_micro_batch_size_per_gpu": "job.batch_size",
+    "gradient_accumulation_steps": "job.grad_accum",
+    "optimizer": "optim.* (lr, betas, eps, weight_decay)",
+    "scheduler": "optim.lr, optim.warmup_steps and optim.min_lr_ratio",
+    "gradient_clipping": "optim.max_grad_norm",
+    "bf16": "job.compute_dtype",
+    "fp16": "job.compute_dtype",
+    "amp": "job.compute_dtype",
+    "lazytrain": "the plan (its recompute decisions)",
+}
+
+
+def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The user's DeepSpeed settings for engine=deepspeed, to deep-merge over the config derived from
+    the plan: the JSON file `deepspeed_config`, then the keys under `deepspeed` (`+deepspeed.K.P=V`).
+    ConfigError (one line) for settings given to another engine, an unreadable file, keys that
+    define the job (DS_JOB_KEYS) or a ZeRO stage other than 3."""
+    path = cfg.get("deepspeed_config")
+    dotted = cfg.get("deepspeed")
+    dotted = OmegaConf.to_container(dotted, resolve=True) if dotted is not None else {}
+    if not path and not dotted:
+        return {}
+    if cfg.engine != "deepspeed":
+        raise ConfigError(f"deepspeed_config / deepspeed.* settings are for engine=deepspeed; this run "
+                          f"has engine={cfg.engine}")
+    if not isinstance(dotted, dict):
+        raise ConfigError("deepspeed must map DeepSpeed config keys to values "
+                          "(+deepspeed.zero_optimization.sub_group_size=2e8)")
+    over: dict[str, Any] = {}
+    if path:
+        p = Path(str(path)).expanduser()
+        try:
+            over = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"deepspeed_config: {p} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"deepspeed_config: cannot read {p} ({e})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"deepspeed_config: {p} is not valid JSON ({e})") from None
+        if not isinstance(over, dict):
+            raise ConfigError(f"deepspeed_config: {p} must hold a JSON object, not a {type(over).__name__}")
+    deep_merge(over, dotted)
+    for key, where in DS_JOB_KEYS.items():
+        if key in over:
+            raise ConfigError(f"deepspeed: {key!r} comes from {where} (the same job on every engine); "
+                              f"set it there, not in the DeepSpeed settings")
+    zero = over.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("stage", 3) != 3:
+        raise ConfigError(f"deepspeed: zero_optimization.stage={zero['stage']}: lazytrain runs DeepSpeed "
+                          f"with ZeRO stage 3 (its checkpoint, resume and final-model paths are built "
+                          f"and tested for it)")
+    return over
+
+
+def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str | None) -> None:
+    """The config DeepSpeed will be given, checked by DeepSpeed's own parser (a misspelt key or a
+    bad value is a ConfigError now, not a traceback after the model is built). Skipped when
+    DeepSpeed is not importable: the engine reports that when it starts."""
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except Exception:  # noqa: BLE001 - missing or broken: EngineUnavailable says so later
+        return
+    cfg, _ = ds_config_from_plan(plan, overrides=overrides, nvme_dir=nvme_dir)
+    cfg.pop("lazytrain", None)
+    try:
+        DeepSpeedConfig(cfg)
+    except Exception as e:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError...
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()][:3]
+        raise ConfigError(f"deepspeed: DeepSpeed rejects the config ({'; '.join(lines) or type(e).__name__})") from None
+
+
 def plan_nvme_bytes(plan: Plan) -> int:
     return int(plan.predicted.peak_bytes.get("nvme", 0) or 0)
 
@@ -191,6 +266,9 @@ def preflight(cfg: DictConfig) -> Preflight:
                      use_cache=bool(cfg.planner.cache))
     if not plan.fits:
         raise InfeasiblePlanError(plan)
+    ds_over = deepspeed_overrides(cfg)
+    if cfg.engine == "deepspeed":
+        check_deepspeed_config(plan, ds_over, None)
     tokenizer = load_tokenizer(tok_dir)
     if len(tokenizer) > mspec.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
@@ -324,9 +402,14 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
                                master_dtype=TORCH_DTYPES[pre.job.master_dtype],
                                count_op_temporaries=bool(cfg.get("count_op_temporaries", False)), **common)
     if cfg.engine == "deepspeed":
-        eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, **common)
+        over = deepspeed_overrides(cfg)
+        eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, overrides=over, **common)
         for line in eng.dropped:
             print(f"deepspeed: cannot follow the plan here: {line}")
+        if over:
+            print(f"deepspeed: your settings, merged over the plan's: {json.dumps(over, sort_keys=True)}")
+        if ranks_of(cfg).main:   # what DeepSpeed ran with, for the record and for reuse
+            _write_text(out / "ds_config.json", json.dumps(eng.tr.ds_config, indent=2, sort_keys=True) + "\n")
         return eng
     return TorchEngine(model, device=device, compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
                        optimizer=optimizer, master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
