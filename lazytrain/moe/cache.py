@@ -53,9 +53,8 @@ class ExpertCache:
         if num_slots < min_slots:
             raise CacheTooSmallError(
                 f"expert cache of {num_slots} slots cannot hold one layer's routed experts; the minimum "
-                f"is {min_slots} slots (a prompt can route to all {min_slots} experts of a layer), i.e. "
-                f"moe.cache_slots={min_slots} or moe.cache_fraction>="
-                f"{min_slots / sum(lr.num_experts for lr in store.layers):.3f}")
+                f"is {min_slots} slots (a prompt can route to all {min_slots} experts of a layer): set "
+                f"moe.cache_slots>={min_slots}, or leave it unset (moe.cache_fraction is raised to the minimum)")
         if verify not in ("first", "always", "never"):
             raise ValueError(f"moe.verify must be first|always|never, got {verify!r}")
         self.store, self.policy, self.verify = store, policy, verify

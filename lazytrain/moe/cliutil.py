@@ -21,7 +21,7 @@ def compose(overrides: list[str]):
 def engine_kwargs(cfg) -> dict:
     m = cfg.moe
     return dict(model_path=cfg.model.get("path"), cache_slots=m.cache_slots,
-                cache_fraction=float(m.cache_fraction), eviction=m.eviction, prefetch=m.prefetch,
+                cache_fraction=m.cache_fraction, eviction=m.eviction, prefetch=m.prefetch,
                 predictor_path=m.predictor, lookahead=m.lookahead if str(m.lookahead) == "auto" else int(m.lookahead), prefetch_extra=int(m.prefetch_extra),
                 device=m.device, io_workers=int(m.io_workers), queue_depth=m.queue_depth, verify=m.verify,
                 direct=bool(m.direct_io), host_cache_fraction=m.get("host_cache_fraction", 0.0) or 0.0,

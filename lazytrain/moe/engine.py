@@ -11,6 +11,8 @@ all-resident model's output, token for token.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +26,8 @@ from .policies import Forecast, make_policy
 from .predictor import Oracle, PredictorHeads, SpeculativeGate, TrainedPredictor
 from .stats import MoeCounters, MoeStats
 from .store import ExpertStore, StoreError, StoreMismatchError
+
+_LOG = logging.getLogger(__name__)
 
 EXPERTS_IMPL = "lazytrain_stream"
 
@@ -220,6 +224,18 @@ def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def check_cache_fraction(fraction) -> float:
+    """moe.cache_fraction as a float in (0, 1], or a ValueError naming the setting."""
+    try:
+        f = float(fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"moe.cache_fraction must be a number in (0, 1], got {fraction!r}") from None
+    if not (math.isfinite(f) and 0.0 < f <= 1.0):
+        raise ValueError(f"moe.cache_fraction must be in (0, 1] (share of all experts kept in device "
+                         f"slots), got {fraction}")
+    return f
+
+
 def check_host_cache(fraction, slots) -> float:
     """Validate the host-tier settings before anything is loaded; returns the fraction as a float."""
     try:
@@ -279,6 +295,8 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
     from transformers import GenerationConfig
 
     host_fraction = check_host_cache(host_cache_fraction, host_cache_slots)
+    if not cache_slots:
+        cache_fraction = check_cache_fraction(cache_fraction)
     check_device(device)
     _check_count("cache_slots", cache_slots)
     _check_count("queue_depth", queue_depth)
@@ -335,7 +353,18 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         elif not isinstance(lookahead, int) or lookahead < 1:
             raise ValueError(f"moe.lookahead must be a positive integer or auto, got {lookahead!r}")
         total = sum(ml.num_experts for ml in layers)
-        slots = cache_slots if cache_slots else max(1, round(cache_fraction * total))
+        slots = cache_slots
+        if not slots:
+            # A share is approximate by nature: raised to the cache's minimum (one layer's experts,
+            # all of which a prompt can route to) rather than refused, which a model with one or two
+            # MoE layers would otherwise be at the default share. An exact cache_slots below it is
+            # refused by the cache.
+            slots, least = round(cache_fraction * total), max(ml.num_experts for ml in layers)
+            if slots < least:
+                _LOG.warning("lazytrain: moe.cache_fraction=%s gives %d of %d experts, fewer than one "
+                             "layer's %d; using %d slots (the minimum)", cache_fraction, slots, total,
+                             least, least)
+                slots = least
         policy = make_policy(eviction, len(layers), future)
         depth = queue_depth or max(4, 2 * max(ml.top_k for ml in layers) * max(lookahead, auto, 1))
         slots = min(slots, total)

@@ -65,8 +65,29 @@ def test_cache_too_small_says_minimum(mixtral_store):
             ExpertCache(st, 5, LRU())
     finally:
         st.close()
-    with pytest.raises(CacheTooSmallError, match="cache_fraction>=0.250"):
-        load_streamed(d / "store", cache_fraction=0.1)
+    with pytest.raises(CacheTooSmallError, match="moe.cache_slots>=8"):
+        load_streamed(d / "store", cache_slots=5)
+
+
+def test_small_cache_fraction_is_raised_to_the_minimum(mixtral_store, caplog):
+    """A share is approximate: below one layer's experts (0.1 of 32 = 3 slots; a model with one or
+    two MoE layers at the default 0.45) it becomes the minimum, said once, instead of an error."""
+    _, d = mixtral_store
+    with caplog.at_level("WARNING", logger="lazytrain.moe.engine"):
+        m = load_streamed(d / "store", cache_fraction=0.1, prefetch="none")
+    try:
+        assert m.cache.num_slots == 8
+        assert "moe.cache_fraction=0.1 gives 3 of 32 experts" in caplog.text
+        m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.5, float("nan"), "lots"])
+def test_bad_cache_fraction_names_the_setting(mixtral_store, fraction):
+    _, d = mixtral_store
+    with pytest.raises(ValueError, match="moe.cache_fraction must be"):
+        load_streamed(d / "store", cache_fraction=fraction)
 
 
 def test_demand_hits_and_reads(mixtral_store):
