@@ -94,7 +94,12 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     if cache is not None and use_cache:
         hit = cache.get(h)
         if hit is not None:   # (the hash covers the config, not the name: another name, same plan)
-            return hit if hit.model_name == model.name else replace(hit, model_name=model.name)
+            if hit.model_name == model.name:
+                return hit
+            # its explanation may name the model it was solved for (the host/NVMe floor does)
+            old = hit.model_name
+            return replace(hit, model_name=model.name, explanation=tuple(
+                line.replace(f" of {old} (", f" of {model.name} (") if old else line for line in hit.explanation))
     costs = job_costs(model, hw, job)
     r = _solve(costs, hw, options, pins_for(method, model.num_layers, job))
     if r.status == "timeout" and method == "milp":

@@ -44,6 +44,19 @@ def test_cache_hit_carries_the_asked_models_name(small, tmp_path):
     assert first.model_name == model.name
 
 
+def test_cached_explanation_names_the_asked_model(small, tmp_path):
+    """An infeasible plan's explanation names the model; served from the cache under another name
+    (same config, same hash), it names the one asked for."""
+    model, h, job = small
+    tiny_host = replace(h, host_memory_gib=0.001, nvme_capacity_gib=0.0)
+    first = plan_job(model, tiny_host, job, cache_dir=tmp_path)
+    assert not first.fits and any(f" of {model.name} (" in x for x in first.explanation)
+    hit = plan_job(replace(model, name="my-finetune"), tiny_host, job, cache_dir=tmp_path)
+    assert hit.input_hash == first.input_hash
+    text = " ".join(hit.explanation)
+    assert " of my-finetune (" in text and f" of {model.name} (" not in text
+
+
 def test_fallback_plan_says_so_and_is_not_cached(make_llama, make_hw, tmp_path):
     """The MILP's timeout fallback (a heuristic's plan) is named in the summary, and not cached:
     the next run tries the MILP again."""
