@@ -287,9 +287,11 @@ class LayerTrainState:
     def _update(self, hp: dict, clip_scale, write_params, opt8, staged: bool, s: float) -> None:
         direct, self._direct = self._direct, None
         grad = self._load("grad", self.grad_tier) if direct is None else None
-        if clip_scale is not None and float(clip_scale) != 1.0:
-            # (x * 1.0 == x: an unclipped step skips the pass over the gradients, exactly; read-in-
-            # place gradients come only without clipping)
+        if opt8 is None and clip_scale is not None and float(clip_scale) != 1.0:
+            # torch's AdamW takes no clip factor: the gradients are scaled first, as
+            # clip_grad_norm_ does (x * 1.0 == x: an unclipped step skips the pass, exactly; read-
+            # in-place gradients come only without clipping). The 8-bit kernel folds the factor
+            # into its one pass instead: the same fp32 product, no pass of its own.
             grad.mul_(clip_scale)
         master = self._staged("master") if staged else self._load("master", self.optimizer_tier)
         if opt8 is not None:
@@ -297,7 +299,7 @@ class LayerTrainState:
             p.data = master
             p.grad = grad
             opt8.param_groups[0]["lr"] = hp["lr"]
-            opt8.step_params([p], clip_scale=1.0)   # grads were scaled above
+            opt8.step_params([p], clip_scale=1.0 if clip_scale is None else clip_scale)
             p.grad = None
         else:
             m = self._staged("exp_avg") if staged else self._load("exp_avg", self.optimizer_tier)

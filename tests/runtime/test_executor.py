@@ -268,6 +268,32 @@ def test_adamw8bit_plugs_in_and_trains(tmp_path, n_micro):
     ex32.close()
 
 
+def test_adamw8bit_folds_the_clip_scale_into_its_pass(monkeypatch):
+    """Issue 5: with clipping, the 8-bit update applies the clip factor inside its one fused pass;
+    no pass rescales the accumulated gradients first (fp32 AdamW still does, as clip_grad_norm_)."""
+    model = tiny_model("llama")
+    sizes = set()
+    real_mul = torch.Tensor.mul_
+
+    def spy(self, *a, **k):
+        sizes.add(self.numel())
+        return real_mul(self, *a, **k)
+
+    for opt, expect_pass in (("adamw8bit", False), ("adamw", True)):
+        ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, param_tier="host"), device="cpu",
+                               optimizer=opt, lr=3e-3, max_grad_norm=1e-3)   # clips every step
+        ex.train_step(random_batches(1, seed=0))
+        sizes.clear()
+        monkeypatch.setattr(torch.Tensor, "mul_", spy)
+        res = ex.train_step(random_batches(1, seed=1))
+        ex.wait()
+        monkeypatch.setattr(torch.Tensor, "mul_", real_mul)
+        assert res.grad_norm > 1e-3                                  # it did clip
+        layer_numels = {lay.layout.numel for lay in ex.layers if lay.layout.numel}
+        assert bool(sizes & layer_numels) == expect_pass, (opt, sorted(sizes & layer_numels))
+        ex.close()
+
+
 def test_generous_and_tight_plans_log_the_same_losses(tmp_path):
     """Issue 3: the same job at a generous budget and at one forcing NVMe offload and recompute."""
     model = tiny_model("mixtral")
