@@ -37,6 +37,20 @@ def cflags() -> list[str]:
     return flags
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux /proc/cpuinfo), else the machine type."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 class Extension:
     """One C++ source built on first use (thread-safe; tried once per process)."""
 
@@ -53,7 +67,15 @@ class Extension:
         library another one has loaded (a process that loads it mid-rebuild gets a mismatched ABI)."""
         import torch
 
-        tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+        import hashlib
+
+        # the flags too, and for -march=native the CPU's features: code built on one CPU can be
+        # illegal instructions on another machine sharing the home directory
+        key = " ".join(cflags())
+        if "-march=native" in key:
+            key += " " + _cpu_features()
+        flags = hashlib.sha1(key.encode()).hexdigest()[:8]
+        tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{flags}"
         return extensions_root() / f"{self.name}-{tag.replace('+', '_')}"
 
     def _fail(self, reason: str) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .ds_config import ds_config_from_plan
+from .ds_config import ds_config_from_plan, uses_nvme
 
 __all__ = ["check_available", "ds_config_from_plan", "DeepSpeedTrainer", "DeepSpeedStepResult",
            "DeepSpeedUnavailable", "INSTALL_HINT"]
@@ -150,7 +150,7 @@ class DeepSpeedTrainer:
     def __init__(self, model: torch.nn.Module, *, ds_config: Mapping[str, Any], lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = None) -> None:
-        msg = check_available(nvme=_uses_nvme(ds_config))
+        msg = check_available(nvme=uses_nvme(ds_config))
         if msg:
             raise DeepSpeedUnavailable(msg)
         import deepspeed
@@ -292,8 +292,3 @@ def _resync_cpu_adam(engine: Any) -> None:
     for t in range(1, n + 1):   # lr 0 on a dummy: only the running beta products change
         basic.ds_opt_adam.adam_update(basic.opt_id, t, 0.0, beta1, beta2, g["eps"], 0.0,
                                       g.get("bias_correction", True), p, grad, m, v)
-
-
-def _uses_nvme(cfg: Mapping[str, Any]) -> bool:
-    z = cfg.get("zero_optimization", {}) or {}
-    return any((z.get(s) or {}).get("device") == "nvme" for s in ("offload_param", "offload_optimizer"))

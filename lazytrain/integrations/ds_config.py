@@ -185,7 +185,39 @@ def ds_config_from_plan(plan: Plan, overrides: Mapping[str, Any] | None = None, 
         cfg["gradient_clipping"] = 0.0
     if overrides:
         deep_merge(cfg, overrides)
+        _complete_nvme(cfg, overrides, plan, nvme_path)
     return cfg, dropped
+
+
+def _complete_nvme(cfg: dict[str, Any], overrides: Mapping[str, Any], plan: Plan, nvme_path: str) -> None:
+    """An offload the overrides moved to NVMe gets what the plan would have given it (where to
+    write, the parameter swap buffers, the reuse distance that works here), unless they set it."""
+    zero = cfg.get("zero_optimization")
+    over = overrides.get("zero_optimization")
+    over = over if isinstance(over, Mapping) else {}
+    if not isinstance(zero, dict):
+        return
+    for sec in ("offload_param", "offload_optimizer"):
+        off = zero.get(sec)
+        if not (isinstance(off, dict) and off.get("device") == "nvme"):
+            continue
+        off.setdefault("nvme_path", nvme_path)
+        if sec == "offload_param":
+            off.setdefault("buffer_count", NVME_BUFFER_COUNT)
+            off.setdefault("buffer_size", _nvme_buffer_size(plan))
+            if "stage3_max_reuse_distance" not in over:
+                zero["stage3_max_reuse_distance"] = NVME_MAX_REUSE_DISTANCE
+        else:
+            off.setdefault("buffer_count", 4)
+            off.setdefault("fast_init", False)
+
+
+def uses_nvme(cfg: Mapping[str, Any]) -> bool:
+    """Whether a DeepSpeed config offloads anything to NVMe."""
+    zero = cfg.get("zero_optimization")
+    return isinstance(zero, Mapping) and any(
+        isinstance(zero.get(sec), Mapping) and zero[sec].get("device") == "nvme"
+        for sec in ("offload_param", "offload_optimizer"))
 
 
 def _nvme_buffer_size(plan: Plan) -> int:

@@ -234,6 +234,9 @@ class DeepSpeedEngine:
                                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         except DeepSpeedUnavailable as e:
             raise EngineUnavailable(str(e)) from None
+        except (AssertionError, ValueError, TypeError) as e:   # DeepSpeed's own config checks
+            first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+            raise EngineUnavailable(f"deepspeed.initialize refused the config: {first}") from e
         self._model = model
 
     @property

@@ -11,6 +11,7 @@ typed arguments.
 
 from __future__ import annotations
 
+import collections.abc
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from safetensors import SafetensorError
 
 from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
-from ..integrations.ds_config import deep_merge, ds_config_from_plan
+from ..integrations.ds_config import deep_merge, ds_config_from_plan, uses_nvme
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -164,21 +165,45 @@ DS_JOB_KEYS = {
     "train_batch_size": "job.batch_size and job.grad_accum",
     "train_micro_batch_size_per_gpu": "job.batch_size",
     "gradient_accumulation_steps": "job.grad_accum",
-    "optimizer": "optim.* (lr, betas, eps, weight_decay)",
+    "optimizer": "optim.*: lazytrain runs AdamW with optim.lr/betas/eps/weight_decay",
     "scheduler": "optim.lr, optim.warmup_steps and optim.min_lr_ratio",
     "gradient_clipping": "optim.max_grad_norm",
     "bf16": "job.compute_dtype",
-    "fp16": "job.compute_dtype",
+    "bfloat16": "job.compute_dtype",
     "amp": "job.compute_dtype",
+    "torch_autocast": "job.compute_dtype",
     "lazytrain": "the plan (its recompute decisions)",
 }
+
+
+def _ds_clean(node: Any) -> Any:
+    """Drop "auto" values (Hugging Face Trainer's DeepSpeed configs: "fill in from the trainer",
+    which here is the plan's or the job's value) and the sections left empty by that; whole
+    numbers written as floats (Hydra reads 2e8 as a float) become ints, which DeepSpeed's
+    directly-read sections (aio) need."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if v == "auto":
+                continue
+            c = _ds_clean(v)
+            if isinstance(v, dict) and v and not c:
+                continue
+            out[k] = c
+        return out
+    if isinstance(node, list):
+        return [_ds_clean(v) for v in node]
+    if isinstance(node, float) and node.is_integer() and abs(node) >= 1:
+        return int(node)
+    return node
 
 
 def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The user's DeepSpeed settings for engine=deepspeed, to deep-merge over the config derived from
     the plan: the JSON file `deepspeed_config`, then the keys under `deepspeed` (`+deepspeed.K.P=V`).
     ConfigError (one line) for settings given to another engine, an unreadable file, keys that
-    define the job (DS_JOB_KEYS) or a ZeRO stage other than 3."""
+    define the job (DS_JOB_KEYS, fp16.enabled; all of them named at once) or a ZeRO stage other
+    than 3."""
     path = cfg.get("deepspeed_config")
     dotted = cfg.get("deepspeed")
     dotted = OmegaConf.to_container(dotted, resolve=True) if dotted is not None else {}
@@ -203,11 +228,13 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(f"deepspeed_config: {p} is not valid JSON ({e})") from None
         if not isinstance(over, dict):
             raise ConfigError(f"deepspeed_config: {p} must hold a JSON object, not a {type(over).__name__}")
-    deep_merge(over, dotted)
-    for key, where in DS_JOB_KEYS.items():
-        if key in over:
-            raise ConfigError(f"deepspeed: {key!r} comes from {where} (the same job on every engine); "
-                              f"set it there, not in the DeepSpeed settings")
+    over = _ds_clean(deep_merge(over, dotted))
+    bad = [f"{key} ({where})" for key, where in DS_JOB_KEYS.items() if key in over]
+    if isinstance(over.get("fp16"), dict) and "enabled" in over["fp16"]:
+        bad.append("fp16.enabled (job.compute_dtype; its loss-scale settings are yours to set)")
+    if bad:
+        raise ConfigError(f"deepspeed: {', '.join(bad)} come(s) from lazytrain's own settings (the same "
+                          f"job on every engine); set them there and remove them from the DeepSpeed settings")
     zero = over.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage", 3) != 3:
         raise ConfigError(f"deepspeed: zero_optimization.stage={zero['stage']}: lazytrain runs DeepSpeed "
@@ -216,21 +243,85 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
     return over
 
 
-def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str | None) -> None:
-    """The config DeepSpeed will be given, checked by DeepSpeed's own parser (a misspelt key or a
-    bad value is a ConfigError now, not a traceback after the model is built). Skipped when
+def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str | None) -> list[str]:
+    """The config DeepSpeed will be given, checked by DeepSpeed's own parser: a bad value, or a
+    misspelt key in a section DeepSpeed validates, is a ConfigError now rather than a traceback after
+    the model is built; NVMe offload without DeepSpeed's async_io op is one too. Returns notes for
+    your keys its parser never reads (misspelt, or read only later by the engine). Skipped when
     DeepSpeed is not importable: the engine reports that when it starts."""
     try:
         from deepspeed.runtime.config import DeepSpeedConfig
+
+        from ..integrations.deepspeed import check_available
     except Exception:  # noqa: BLE001 - missing or broken: EngineUnavailable says so later
-        return
+        return []
     cfg, _ = ds_config_from_plan(plan, overrides=overrides, nvme_dir=nvme_dir)
     cfg.pop("lazytrain", None)
+    if uses_nvme(cfg) and (msg := check_available(nvme=True)):
+        raise EngineUnavailable(msg)
     try:
         DeepSpeedConfig(cfg)
     except Exception as e:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError...
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()][:3]
         raise ConfigError(f"deepspeed: DeepSpeed rejects the config ({'; '.join(lines) or type(e).__name__})") from None
+    unread = _unread_by_deepspeed(cfg, overrides, DeepSpeedConfig)
+    return [f"deepspeed: DeepSpeed's config parser does not read {k} (misspelt?); DeepSpeed may "
+            f"ignore it" for k in unread]
+
+
+class _ReadRecorder(dict):
+    """A config dict that records which of its keys are looked up (get, [], in), not iterated."""
+
+    def __init__(self, d=(), path: tuple = (), seen: set | None = None) -> None:
+        super().__init__(d)
+        self._path, self._seen = path, seen if seen is not None else set()
+
+    def _mark(self, k) -> None:
+        self._seen.add((*self._path, k))
+
+    def __getitem__(self, k):
+        self._mark(k)
+        return super().__getitem__(k)
+
+    def get(self, k, default=None):
+        self._mark(k)
+        return super().get(k, default)
+
+    def __contains__(self, k) -> bool:
+        self._mark(k)
+        return super().__contains__(k)
+
+    def pop(self, k, *default):
+        self._mark(k)
+        return super().pop(k, *default)
+
+    def keys(self):   # `k in d.keys()` is a lookup too; iterating it is not
+        return collections.abc.KeysView(self)
+
+
+def _unread_by_deepspeed(cfg: dict[str, Any], overrides: dict[str, Any], parser) -> list[str]:
+    """Your keys DeepSpeed's parser never looks up, where it looks up others beside them (a section
+    it hands to a validating model as a whole is that model's to check). Best effort: [] if the
+    recording run fails."""
+    seen: set[tuple] = set()
+
+    def wrap(d, path):
+        return _ReadRecorder({k: wrap(v, (*path, k)) for k, v in d.items()}, path, seen) \
+            if isinstance(d, dict) else d
+
+    try:
+        parser(wrap(cfg, ()))
+    except Exception:  # noqa: BLE001 - only a hint; the real check passed above
+        return []
+    parents = {p[:-1] for p in seen}
+
+    def paths(d, path=()):
+        for k, v in d.items():
+            yield (*path, k)
+            if isinstance(v, dict):
+                yield from paths(v, (*path, k))
+
+    return [".".join(map(str, p)) for p in paths(overrides) if p not in seen and p[:-1] in parents]
 
 
 def plan_nvme_bytes(plan: Plan) -> int:
@@ -267,8 +358,10 @@ def preflight(cfg: DictConfig) -> Preflight:
     if not plan.fits:
         raise InfeasiblePlanError(plan)
     ds_over = deepspeed_overrides(cfg)
+    notes = []
     if cfg.engine == "deepspeed":
-        check_deepspeed_config(plan, ds_over, None)
+        nvme = cfg.storage.get("nvme_dir")
+        notes = check_deepspeed_config(plan, ds_over, str(Path(str(nvme)).expanduser() / "deepspeed") if nvme else None)
     tokenizer = load_tokenizer(tok_dir)
     if len(tokenizer) > mspec.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
@@ -292,7 +385,7 @@ def preflight(cfg: DictConfig) -> Preflight:
         except StorageError as e:
             raise StorageError(f"{e} (storage.nvme_dir defaults to <output_dir>/nvme; set "
                                f"storage.nvme_dir=DIR on a larger disk)") from None
-    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds)
+    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes)
 
 
 def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> None:
@@ -403,14 +496,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
                                count_op_temporaries=bool(cfg.get("count_op_temporaries", False)), **common)
     if cfg.engine == "deepspeed":
         over = deepspeed_overrides(cfg)
-        eng = DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, overrides=over, **common)
-        for line in eng.dropped:
-            print(f"deepspeed: cannot follow the plan here: {line}")
-        if over:
-            print(f"deepspeed: your settings, merged over the plan's: {json.dumps(over, sort_keys=True)}")
-        if ranks_of(cfg).main:   # what DeepSpeed ran with, for the record and for reuse
-            _write_text(out / "ds_config.json", json.dumps(eng.tr.ds_config, indent=2, sort_keys=True) + "\n")
-        return eng
+        return DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, overrides=over, **common)
     return TorchEngine(model, device=device, compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
                        optimizer=optimizer, master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
 
@@ -566,9 +652,18 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         ranks = Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size())
         if not ranks.main:
             echo = _silent
-
     ckpt_root = out / "checkpoints"
     try:
+        for note in pre.notes:
+            echo(note)
+        if isinstance(engine, DeepSpeedEngine):
+            for line in engine.dropped:
+                echo(f"deepspeed: cannot follow the plan here: {line}")
+            over = deepspeed_overrides(cfg)
+            if over:
+                echo(f"deepspeed: your settings, merged over the plan's: {json.dumps(over, sort_keys=True)}")
+            if ranks.main:   # what DeepSpeed runs with (this run's), for the record and for reuse
+                _write_atomic(out / "ds_config.json", json.dumps(engine.tr.ds_config, indent=2, sort_keys=True) + "\n")
         start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo, ranks)
     except BaseException:
         engine.close()
@@ -656,6 +751,16 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         _write_text(out / "summary.json", json.dumps(summary, indent=1))
     echo(format_summary(summary))
     return summary
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """_write_text through a temp file and a rename (readers never see half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _write_text(tmp, text)
+    try:
+        tmp.replace(path)
+    except OSError as e:
+        raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
 
 
 def _write_text(path: Path, text: str) -> None:

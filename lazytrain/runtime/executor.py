@@ -569,17 +569,21 @@ class StreamingExecutor:
                 # the GPU to drain its queue at every layer). The optimizer thread waits for
                 # `landed`, then adds into fp32 on the host. The device grads stay counted until
                 # then; record_stream keeps the allocator from reusing them before the copy ran.
-                self.grad_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.grad_stream):
-                    dev, pg = pg, [None if gr is None else
-                                   torch.empty_like(gr, device="cpu", pin_memory=True).copy_(gr, non_blocking=True)
-                                   for gr in pg]
-                    landed = torch.cuda.Event()
-                    landed.record(self.grad_stream)
-                for gr in dev:
-                    if gr is not None:
-                        gr.record_stream(self.grad_stream)
-                del dev
+                try:
+                    self.grad_stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(self.grad_stream):
+                        dev, pg = pg, [None if gr is None else
+                                       torch.empty_like(gr, device="cpu", pin_memory=True).copy_(gr, non_blocking=True)
+                                       for gr in pg]
+                        landed = torch.cuda.Event()
+                        landed.record(self.grad_stream)
+                    for gr in dev:
+                        if gr is not None:
+                            gr.record_stream(self.grad_stream)
+                    del dev
+                except BaseException:   # e.g. pinned memory exhausted: nothing is left counted
+                    self.acct.free(nb, "grads")
+                    raise
 
             # this micro-batch's contribution from the layer that borrows these weights, if any
             borrowed = self.borrowed_grads.pop(i, None)

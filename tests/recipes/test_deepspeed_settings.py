@@ -30,11 +30,37 @@ def test_file_then_dotted_keys_merge(tmp_path):
     (["engine=deepspeed", "+deepspeed.train_micro_batch_size_per_gpu=4"], "job.batch_size"),
     (["engine=deepspeed", "+deepspeed.gradient_clipping=0.5"], "optim.max_grad_norm"),
     (["engine=deepspeed", "+deepspeed.bf16.enabled=false"], "job.compute_dtype"),
+    (["engine=deepspeed", "+deepspeed.bfloat16.enabled=true"], "bfloat16 .job.compute_dtype"),
+    (["engine=deepspeed", "+deepspeed.torch_autocast.enabled=true"], "torch_autocast"),
+    (["engine=deepspeed", "+deepspeed.fp16.enabled=true"], "fp16.enabled"),
     (["engine=deepspeed", "+deepspeed.zero_optimization.stage=2"], "ZeRO stage 3"),
 ])
 def test_settings_that_change_the_job_are_refused(ov, match):
     with pytest.raises(ConfigError, match=match):
         deepspeed_overrides(_cfg(*ov))
+
+
+def test_hf_trainer_style_file_keeps_the_plans_values(tmp_path):
+    """A Hugging Face Trainer DeepSpeed file: "auto" means "from the trainer", here the plan's or
+    the job's value (dropped, not passed on for DeepSpeed to replace with its defaults); what it
+    sets that defines the job is listed in one error; fp16 loss-scale settings are the user's."""
+    hf = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+          "fp16": {"enabled": "auto", "initial_scale_power": 12},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "sub_group_size": 1e9,
+                                "stage3_prefetch_bucket_size": "auto"}}
+    f = tmp_path / "hf.json"
+    f.write_text(json.dumps(hf))
+    over = deepspeed_overrides(_cfg("engine=deepspeed", f"deepspeed_config={f}", "+deepspeed.aio.block_size=1e6"))
+    assert over == {"fp16": {"initial_scale_power": 12},
+                    "zero_optimization": {"stage": 3, "sub_group_size": 1_000_000_000},
+                    "aio": {"block_size": 1_000_000}}
+    assert isinstance(over["aio"]["block_size"], int)   # DeepSpeed's aio handle takes ints only
+    hf.update(optimizer={"type": "AdamW", "params": {"lr": "auto"}}, train_batch_size=8, bfloat16={"enabled": True})
+    f.write_text(json.dumps(hf))
+    with pytest.raises(ConfigError) as e:
+        deepspeed_overrides(_cfg("engine=deepspeed", f"deepspeed_config={f}"))
+    assert all(k in str(e.value) for k in ("train_batch_size (", "optimizer (", "bfloat16 ("))
 
 
 @pytest.mark.parametrize("content, match", [
@@ -60,6 +86,34 @@ def test_deepspeed_rejects_a_misspelt_key_in_preflight(base_overrides, tmp_path)
     with pytest.raises(ConfigError, match="DeepSpeed rejects the config.*sub_groop_size"):
         preflight(cfg)
     assert not out.exists()
+
+
+def test_keys_deepspeed_never_reads_are_noted(base_overrides, tmp_path):
+    """Outside the sections DeepSpeed validates, a misspelt key would be ignored silently: the
+    preflight notes it (a key DeepSpeed reads is not noted)."""
+    pytest.importorskip("deepspeed.runtime.config")
+    pre = preflight(_cfg(*base_overrides, "engine=deepspeed", f"output_dir={tmp_path / 'run'}",
+                         "+deepspeed.communication_data_typ=fp32", "+deepspeed.flops_profiler.enabeld=true",
+                         "+deepspeed.steps_per_print=5"))
+    text = "\n".join(pre.notes)
+    assert "does not read communication_data_typ" in text and "flops_profiler.enabeld" in text
+    assert "steps_per_print" not in text
+
+
+def test_nvme_offload_from_the_settings_gets_its_path(base_overrides, tmp_path):
+    """Moving an offload to NVMe in the settings gets what the plan would give it: the path under
+    storage.nvme_dir, the parameter swap buffers, the reuse distance (DeepSpeed asserts without a
+    path); what the user set stays."""
+    from lazytrain.integrations.ds_config import NVME_MAX_REUSE_DISTANCE, ds_config_from_plan
+    pre = preflight(_cfg(*base_overrides, "engine=deepspeed"))
+    over = {"zero_optimization": {"offload_param": {"device": "nvme", "buffer_count": 8},
+                                  "offload_optimizer": {"device": "nvme"}}}
+    cfg, _ = ds_config_from_plan(pre.plan, overrides=over, nvme_dir=str(tmp_path / "ds"))
+    z = cfg["zero_optimization"]
+    assert z["offload_param"]["nvme_path"] == z["offload_optimizer"]["nvme_path"] == str(tmp_path / "ds")
+    assert z["offload_param"]["buffer_count"] == 8 and z["offload_param"]["buffer_size"] > 0
+    assert z["stage3_max_reuse_distance"] == NVME_MAX_REUSE_DISTANCE
+    pytest.importorskip("deepspeed.runtime.config").DeepSpeedConfig({k: v for k, v in cfg.items() if k != "lazytrain"})
 
 
 def test_settings_reach_deepspeed_and_are_recorded(base_overrides, tmp_path):

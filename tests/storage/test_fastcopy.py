@@ -127,4 +127,7 @@ def test_build_dir_is_per_torch_and_python_version(monkeypatch, tmp_path):
     here = ext.build_dir()
     assert here.parent == tmp_path and here.name.startswith("lazytrain_never_built-")
     monkeypatch.setattr(torch, "__version__", "0.0.1+other")
-    assert ext.build_dir() != here
+    other_torch = ext.build_dir()
+    assert other_torch != here
+    monkeypatch.setattr("lazytrain.cext._cpu_features", lambda: "fpu sse2")   # another CPU
+    assert ext.build_dir() != other_torch
