@@ -172,6 +172,10 @@ class DeepSpeedTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (LoRA: wrap it with PEFT first)")
+        # ZeRO-3 swaps torch.nn.functional.linear for its own autograd function, process-wide, and
+        # never swaps it back: restored in close(), so what runs next in this process (another
+        # engine, a plain model) saves and computes what it would have
+        self._linear = torch.nn.functional.linear
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=params, config=cfg)
         self.model = self.engine.module
@@ -272,6 +276,7 @@ class DeepSpeedTrainer:
         destroy = getattr(self.engine, "destroy", None)
         if destroy is not None:
             destroy()
+        torch.nn.functional.linear = self._linear
 
 
 def _resync_cpu_adam(engine: Any) -> None:

@@ -123,6 +123,8 @@ def test_settings_reach_deepspeed_and_are_recorded(base_overrides, tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"zero_optimization": {"sub_group_size": 1000, "stage3_param_persistence_threshold": 0}}))
     out = tmp_path / "run"
+    import torch
+    linear = torch.nn.functional.linear
     run(_cfg(*base_overrides, "engine=deepspeed", "job.max_steps=2", "save_every=0", "save_final_model=false",
              f"output_dir={out}", f"deepspeed_config={f}", "+deepspeed.zero_optimization.sub_group_size=2000"),
         out, echo=lambda *_: None)
@@ -132,3 +134,5 @@ def test_settings_reach_deepspeed_and_are_recorded(base_overrides, tmp_path):
     assert z["offload_optimizer"]["device"] == "cpu" and z["stage"] == 3                  # the plan's stay
     assert ran["optimizer"]["params"]["lr"] == pytest.approx(float(_cfg(*base_overrides).optim.lr))
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    # ZeRO-3 swapped F.linear process-wide for its own; what runs next in the process must not inherit it
+    assert torch.nn.functional.linear is linear
