@@ -78,7 +78,9 @@ def hardware_spec(cfg: DictConfig) -> HardwareSpec:
     try:
         return HardwareSpec.from_dict(d)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"hardware: {e}") from None
+        hint = ("; this profile was written by `lazytrain profile`: run it again to refresh "
+                "configs/hardware/measured.yaml" if d.get("name") == "measured" else "")
+        raise ConfigError(f"hardware: {e}{hint}") from None
 
 
 def job_spec(cfg: DictConfig) -> JobSpec:

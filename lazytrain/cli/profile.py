@@ -57,5 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                                         log=lambda line: print(line, flush=True))
     out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
     write_profile(spec, out, details)
-    print(f"wrote {out} (efficiency {spec.efficiency:.2f}); plan with hardware=measured")
+    default = (config_dir() / "hardware" / "measured.yaml").resolve()
+    use = ("hardware=measured" if Path(out).resolve() == default else
+           f"hardware=NAME once it is copied to {config_dir() / 'hardware'}/NAME.yaml")
+    print(f"wrote {out} (efficiency {spec.efficiency:.2f}); plan with {use}")
     return 0

@@ -1,6 +1,7 @@
 import json
 import shutil
 
+import pytest
 import torch
 import yaml
 
@@ -98,6 +99,26 @@ def test_profile_cli_writes_a_loadable_hardware_config(tmp_path, capsys, monkeyp
     assert len(det["layers"]) == 6 and det["disk"]["direct"] in (True, False)
     cfg = load_config(["hardware=measured"])           # what `plan|train hardware=measured` compose
     assert cfg.hardware.name == "measured"
+
+
+def test_profile_written_elsewhere_says_how_to_use_it(tmp_path, capsys):
+    (tmp_path / "ssd").mkdir()
+    rc = cli.main(["hardware=cpu", "--no-layers", "--size-mib", "4", "--repeats", "1",
+                   "--nvme-dir", str(tmp_path / "ssd"), "--out", str(tmp_path / "mine.yaml")])
+    out = capsys.readouterr().out
+    assert rc == 0 and (tmp_path / "mine.yaml").is_file()
+    assert "plan with hardware=measured" not in out and "hardware=NAME once it is copied to" in out
+
+
+def test_broken_measured_profile_says_to_profile_again(tmp_path, monkeypatch):
+    from lazytrain.cli.config import ConfigError, hardware_spec
+    cfgs = tmp_path / "configs"
+    shutil.copytree(config_dir(), cfgs)
+    d = yaml.safe_load((cfgs / "hardware" / "cpu.yaml").read_text())
+    (cfgs / "hardware" / "measured.yaml").write_text(yaml.safe_dump({**d, "name": "measured", "h2d_gbps": 0.0}))
+    monkeypatch.setenv("LAZYTRAIN_CONFIG_DIR", str(cfgs))
+    with pytest.raises(ConfigError, match="h2d_gbps must be > 0.*run it again"):
+        hardware_spec(load_config(["hardware=measured"]))
 
 
 def test_profile_cli_bad_nvme_dir(tmp_path, capsys):
