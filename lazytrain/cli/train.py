@@ -81,7 +81,12 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
 
     @hydra.main(config_path=cfg_dir, config_name="train", version_base=None)
     def _task(cfg: DictConfig) -> float | None:
-        out = cfg.output_dir or HydraConfig.get().runtime.output_dir
+        hc = HydraConfig.get()
+        out = cfg.output_dir or hc.runtime.output_dir
+        if cfg.output_dir and str(hc.mode) == "RunMode.MULTIRUN":
+            # one output_dir for a sweep: each job in its own subdir (numbered as Hydra numbers
+            # them), not all in one (the second job would find the first one's checkpoints)
+            out = os.path.join(str(cfg.output_dir), str(hc.job.num))
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

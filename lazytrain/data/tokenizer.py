@@ -7,9 +7,14 @@ import os
 import shutil
 from pathlib import Path
 
+MIN_VOCAB = 258
+
 
 def build_tokenizer(text_files: list[str | Path], out_dir: str | Path, vocab_size: int = 2048) -> Path:
     """Train (once) and save; returns the directory."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"data.vocab_size={vocab_size}: a byte-level BPE tokenizer has at least "
+                         f"{MIN_VOCAB} tokens (256 bytes and 2 special tokens)")
     out = Path(out_dir)
     if (out / "tokenizer.json").is_file():
         return out

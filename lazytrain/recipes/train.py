@@ -121,8 +121,11 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
         if d.builtin != "pydoc-corpus":
             raise ConfigError(f"unknown data.builtin {d.builtin!r}; valid: pydoc-corpus")
         from ..data.corpus import build_corpus
-        from ..data.tokenizer import build_tokenizer
+        from ..data.tokenizer import MIN_VOCAB, build_tokenizer
 
+        if not d.get("tokenizer") and int(d.vocab_size) < MIN_VOCAB:   # before the corpus is built
+            raise ConfigError(f"data.vocab_size={d.vocab_size}: the built-in byte-level BPE tokenizer has "
+                              f"at least {MIN_VOCAB} tokens; give the model that vocab_size or more")
         cache = Path(str(d.cache_dir)).expanduser()
         train_txt, _ = build_corpus(cache / "corpus")
         tok_dir = d.get("tokenizer") or build_tokenizer(
@@ -364,8 +367,11 @@ def preflight(cfg: DictConfig) -> Preflight:
         notes = check_deepspeed_config(plan, ds_over, str(Path(str(nvme)).expanduser() / "deepspeed") if nvme else None)
     tokenizer = load_tokenizer(tok_dir)
     if len(tokenizer) > mspec.vocab_size:
+        fix = ("use a matching tokenizer or model" if cfg.model.get("path") else
+               f"use a matching tokenizer, or model.hf_config.vocab_size={len(tokenizer)} (the model is "
+               f"built from its config)")
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{mspec.vocab_size}; use a matching tokenizer or model")
+                          f"{mspec.vocab_size}; {fix}")
     cache = cfg.data.get("cache_dir")
     prompt_field = cfg.data.get("prompt_field")
     ds = build_dataset(files, tokenizer, job.seq_len, seed=int(cfg.seed), text_field=str(cfg.data.text_field),
@@ -746,10 +752,13 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run)
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
-                    "dataset_tokens": ds.num_tokens})
+                    "dataset_tokens": ds.num_tokens, "max_steps": max_steps})
     if ranks.main:
         _write_text(out / "summary.json", json.dumps(summary, indent=1))
     echo(format_summary(summary))
+    if step < max_steps:   # stop_at_step: a planned pre-emption, continued with resume=true
+        echo(f"stopped at step {step} of {max_steps} (stop_at_step={stop_at}); the checkpoint is saved: "
+             f"continue with resume=true output_dir={out}")
     return summary
 
 
@@ -838,6 +847,9 @@ def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: i
 
 def format_summary(s: dict[str, Any]) -> str:
     if not s.get("steps"):
+        if s.get("max_steps") is not None and s.get("start_step", 0) >= s["max_steps"]:
+            return (f"no steps run: the run is already at step {s['start_step']} of "
+                    f"job.max_steps={s['max_steps']} (raise job.max_steps to train on)")
         return "no steps run"
     return "\n".join([
         f"trained steps {s['start_step'] + 1}..{s['end_step']} in {s['wall_s']:.1f} s  "
@@ -846,6 +858,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})",
         f"step time: predicted {s['predicted_step_time_s'] * 1e3:.0f} ms, measured "
         f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "
-        f"{_fmt_bytes(s['predicted_device_peak_bytes'])}, measured {_fmt_bytes(s['measured_device_peak_bytes'])}",
+        f"{_fmt_bytes(s['predicted_device_peak_bytes'])}, measured {_fmt_bytes(s['measured_device_peak_bytes'])}"
+        + ("" if s.get("engine", "lazytrain") == "lazytrain" else
+           f"  (predicted: lazytrain's plan; this run used engine={s['engine']}, which does not follow it)"),
         f"outputs: {s.get('output_dir')}" + (f"  (final model: {s['final_dir']})" if s.get("final_dir") else ""),
     ])

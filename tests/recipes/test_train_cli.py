@@ -95,6 +95,39 @@ def test_multirun_sweeps(base_overrides, tmp_path, capsys, monkeypatch):
     assert lrs[0] != lrs[1]
 
 
+def test_vocab_mismatches_say_what_to_set(base_overrides, tmp_path, capsys):
+    ov = [a for a in base_overrides if not a.startswith("model.hf_config.vocab_size")]
+    err = _bad(capsys, [*ov, "model.hf_config.vocab_size=256"], tmp_path,
+               "but the model's vocab_size is 256; use a matching tokenizer, or model.hf_config.vocab_size=")
+    n = int(err.split("the tokenizer has ")[1].split()[0])
+    assert f"model.hf_config.vocab_size={n} " in err
+    _bad(capsys, ["model=tiny-llama", "data=demo", "data.vocab_size=256"], tmp_path,
+         "data.vocab_size=256: the built-in byte-level BPE tokenizer has at least 258 tokens")
+
+
+def test_multirun_with_output_dir_gives_each_job_its_own(base_overrides, tmp_path, capsys, monkeypatch):
+    """One output_dir for a sweep: job N writes into output_dir/N (all in one dir, the second job
+    found the first one's checkpoints and stopped), and resume=true continues each."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--multirun", *base_overrides, "optim.lr=1e-3,2e-3", f"output_dir={tmp_path / 'sw'}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", "save_final_model=false"]
+    rc, io = _main([*args, "job.max_steps=2"], capsys)
+    assert rc == 0, io.err
+    recs = [[json.loads(x) for x in (tmp_path / "sw" / n / "metrics.jsonl").read_text().splitlines()] for n in "01"]
+    assert [len(r) for r in recs] == [2, 2] and recs[0][-1]["lr"] != recs[1][-1]["lr"]
+    rc, io = _main([*args, "job.max_steps=3", "resume=true"], capsys)
+    assert rc == 0, io.err
+    assert [len((tmp_path / "sw" / n / "metrics.jsonl").read_text().splitlines()) for n in "01"] == [3, 3]
+
+
+def test_stopped_and_finished_runs_say_so(base_overrides, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=3", "stop_at_step=2", f"output_dir={out}"], capsys)
+    assert rc == 0 and "stopped at step 2 of 3 (stop_at_step=2)" in io.out and "resume=true" in io.out
+    rc, io = _main([*base_overrides, "job.max_steps=2", "resume=true", f"output_dir={out}"], capsys)
+    assert rc == 0 and "already at step 2 of job.max_steps=2" in io.out
+
+
 def _bad(capsys, args, tmp_path, match):
     out = tmp_path / "never"
     rc, io = _main([*args, f"output_dir={out}"], capsys)
