@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..integrations.ds_config import ds_config_from_plan
+from ..integrations.ds_config import default_nvme_dir, ds_config_from_plan, uses_nvme
 from ..plan.plan import Plan
 
 
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}: ZeRO-3, params -> {z.get('offload_param', {}).get('device', 'none')}, "
           f"optimizer -> {z['offload_optimizer']['device']}, "
           f"recompute blocks {_compact(cfg['lazytrain']['recompute_blocks'])}")
+    if args.nvme_dir is None and uses_nvme(cfg):
+        print(f"note: NVMe offload writes to {default_nvme_dir()} (the default); --nvme-dir DIR puts it "
+              f"on the drive you mean")
     if dropped:
         print(f"{len(dropped)} plan decision(s) DeepSpeed cannot express:")
         for line in dropped:

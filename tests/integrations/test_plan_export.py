@@ -31,6 +31,17 @@ def test_export_all_expressed(tmp_path, capsys):
     assert "every plan decision is expressed" in capsys.readouterr().out
 
 
+def test_nvme_offload_without_nvme_dir_says_where_it_writes(tmp_path, capsys):
+    src = tmp_path / "plan.json"
+    src.write_text(make_plan().to_json())
+    over = ["--set", "zero_optimization.offload_optimizer.device=nvme"]
+    assert main([str(src), "--out", str(tmp_path / "a.json"), *over]) == 0
+    assert "NVMe offload writes to" in capsys.readouterr().out
+    assert main([str(src), "--out", str(tmp_path / "b.json"), "--nvme-dir", str(tmp_path), *over]) == 0
+    assert "NVMe offload writes to" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "b.json").read_text())["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(tmp_path)
+
+
 def test_bad_inputs_give_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err.strip()
