@@ -5,13 +5,21 @@ Layout under `<output_dir>/checkpoints/`:
     step_000050/engine-00000.safetensors ...  the same in shards (one per layer) when the engine
                                      streams its state: only one layer's state is in RAM at a time
     step_000050/rng.safetensors      torch CPU (and CUDA) generator states
-    step_000050/state.json           step, data position, python RNG, scheduler inputs, metadata
+    step_000050/state.json           step, data position, python RNG, scheduler inputs, metadata,
+                                     and the size and crc32 of every file above ("file_checksums")
+                                     and of its own content ("state_crc32")
     latest                           text file naming the newest complete checkpoint dir
 
 A checkpoint is written into a temp dir, every file fsync'ed, the dir renamed into place and the
 parent fsync'ed; only then is `latest` replaced (temp file, fsync, rename). A crash at any point
 leaves the previous checkpoint and `latest` intact. Engines with their own format (DeepSpeed)
 write into `step_*/engine/` inside the same temp dir, so they get the same atomicity.
+
+Integrity: each file resume reads (engine*.safetensors, rng*.safetensors, rng-rank<R>.json) has its
+size and crc32 recorded in state.json, hashed right after it is written (read back in 4 MiB chunks
+while still in the page cache), and checked before it is used: a damaged or truncated file raises
+DiskIOError naming it. DeepSpeed's own `engine/` dir is not checksummed (DeepSpeed loads it itself).
+Checkpoints written before checksums were recorded load as before, unchecked.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -30,6 +39,9 @@ from safetensors.torch import load_file, save_file
 from ..storage.aligned_io import DiskIOError
 
 LATEST = "latest"
+FILE_SUMS = "file_checksums"   # state.json: {file name: {"bytes": size, "crc32": crc}}
+STATE_SUM = "state_crc32"      # state.json: crc32 of the rest of state.json (canonical JSON)
+_CHUNK = 4 << 20
 
 
 def _fsync_path(path: Path) -> None:
@@ -80,6 +92,24 @@ def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) ->
             torch.cuda.set_rng_state_all(states)
     version, state, gauss = js["python"]
     random.setstate((version, tuple(state), gauss))
+
+
+def file_digest(path: Path) -> dict[str, int]:
+    """{"bytes": size, "crc32": crc} of a file, read in 4 MiB chunks."""
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    crc = size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"bytes": size, "crc32": crc}
+
+
+def _state_crc(state: Mapping[str, Any]) -> int:
+    """crc32 of `state` (without STATE_SUM) as canonical JSON; the same after a JSON round trip."""
+    rest = {k: v for k, v in state.items() if k != STATE_SUM}
+    return zlib.crc32(json.dumps(json.loads(json.dumps(rest)), sort_keys=True).encode())
 
 
 def _contiguous(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,6 +173,12 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
     """
     main = rank == 0
     sync = barrier if (barrier is not None and world > 1) else (lambda: None)
+    sums: dict[str, dict[str, int]] = {}   # (rank 0's) size and crc32 of every file resume reads
+
+    def save(tensors: Mapping[str, torch.Tensor], name: str) -> None:
+        save_file(_contiguous(tensors), str(tmp / name))
+        if main:   # hashed now, while the file is still in the page cache
+            sums[name] = file_digest(tmp / name)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".step_{step:06d}.tmp"
@@ -155,22 +191,26 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
                 (tmp / "engine").mkdir()
         sync()
         if isinstance(engine_tensors, Mapping):
-            save_file(_contiguous(engine_tensors), str(tmp / "engine.safetensors"))
+            save(engine_tensors, "engine.safetensors")
         elif engine_tensors is not None:
             for k, shard in enumerate(engine_tensors):
-                save_file(_contiguous(shard), str(tmp / f"engine-{k:05d}.safetensors"))
+                save(shard, f"engine-{k:05d}.safetensors")
         if engine_writer is not None:
             engine_writer(tmp / "engine")
         rng_t, rng_js = rng_state()
         if main:
-            save_file(_contiguous(rng_t), str(tmp / "rng.safetensors"))
+            save(rng_t, "rng.safetensors")
         else:
-            save_file(_contiguous(rng_t), str(tmp / f"rng-rank{rank}.safetensors"))
+            save(rng_t, f"rng-rank{rank}.safetensors")
             (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_js))
         sync()
         if main:
-            (tmp / "state.json").write_text(json.dumps({**state, "step": step, "rng": rng_js,
-                                                        "world_size": world}, indent=1))
+            for f in sorted(tmp.iterdir()):   # the other ranks' (small) rng-rank<R>.* files
+                if f.is_file() and f.name.startswith("rng-rank") and f.name not in sums:
+                    sums[f.name] = file_digest(f)
+            full = {**state, "step": step, "rng": rng_js, "world_size": world, FILE_SUMS: sums}
+            full[STATE_SUM] = _state_crc(full)
+            (tmp / "state.json").write_text(json.dumps(full, indent=1))
             fsync_tree(tmp)
             if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
                 shutil.rmtree(final)
@@ -233,7 +273,7 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _damaged(path: Path, e: BaseException) -> DiskIOError:
+def _damaged(path: Path, e: BaseException | str) -> DiskIOError:
     return DiskIOError(getattr(e, "errno", 0) or 0, f"read checkpoint file {path}: {e}; the checkpoint "
                        f"is damaged (remove {path.parent} to resume from the one before it)")
 
@@ -245,6 +285,48 @@ def _read_json(path: Path) -> Any:
         raise _damaged(path, e) from e
 
 
+def _read_state(ckpt_dir: Path) -> dict[str, Any]:
+    path = ckpt_dir / "state.json"
+    state = _read_json(path)
+    if not isinstance(state, dict):
+        raise _damaged(path, "not a JSON object")
+    want = state.get(STATE_SUM)
+    if want is not None and _state_crc(state) != want:   # (older checkpoints have no checksum)
+        raise _damaged(path, "checksum mismatch")
+    sums = state.get(FILE_SUMS)
+    if sums is not None and not (isinstance(sums, dict) and all(
+            isinstance(r, dict) and isinstance(r.get("bytes"), int) and isinstance(r.get("crc32"), int)
+            for r in sums.values())):
+        raise _damaged(path, f"malformed {FILE_SUMS}")
+    return state
+
+
+def _verify(ckpt_dir: Path, sums: Mapping[str, Mapping[str, int]] | None, names: list[str]) -> None:
+    """Check the recorded size and crc32 of each of `names` (those recorded; none in a checkpoint
+    written before checksums were). A missing, truncated or altered file raises DiskIOError."""
+    if sums is None:
+        return
+    for name in names:
+        rec = sums.get(name)
+        if rec is None:
+            continue
+        path = ckpt_dir / name
+        try:
+            size = path.stat().st_size
+            if size != rec["bytes"]:
+                raise _damaged(path, f"{size} bytes, {rec['bytes']} when written")
+            got = file_digest(path)
+        except DiskIOError:
+            raise
+        except OSError as e:
+            raise _damaged(path, e) from e
+        if got["bytes"] != rec["bytes"]:
+            raise _damaged(path, f"{got['bytes']} bytes, {rec['bytes']} when written")
+        if got["crc32"] != rec["crc32"]:
+            raise _damaged(path, f"checksum mismatch (crc32 {got['crc32']:08x}, "
+                                 f"{rec['crc32']:08x} when written)")
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
@@ -253,26 +335,41 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_state(ckpt_dir: Path) -> dict[str, Any]:
-    """The checkpoint's state.json, without touching any RNG."""
-    return _read_json(ckpt_dir / "state.json")
+    """The checkpoint's state.json (its own checksum verified), without touching any RNG."""
+    return _read_state(ckpt_dir)
+
+
+def _is_engine_file(name: str) -> bool:
+    return name == "engine.safetensors" or (name.startswith("engine-") and name.endswith(".safetensors"))
 
 
 def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[dict[str, Any], Mapping[str, torch.Tensor] | None]:
     """(state json, engine tensors or None); restores the global RNG states (this rank's).
-    A damaged or unreadable file raises DiskIOError naming it."""
-    state = _read_json(ckpt_dir / "state.json")
-    if rank and (ckpt_dir / f"rng-rank{rank}.safetensors").is_file():
-        rng_t, rng_js = (_read_tensors(ckpt_dir / f"rng-rank{rank}.safetensors"),
-                         _read_json(ckpt_dir / f"rng-rank{rank}.json"))
+    Every file read is first checked against the size and crc32 recorded at save (where recorded).
+    A damaged, truncated, missing or unreadable file raises DiskIOError naming it."""
+    state = _read_state(ckpt_dir)
+    sums = state.get(FILE_SUMS)
+    own_rng = f"rng-rank{rank}.safetensors"
+    if rank and ((ckpt_dir / own_rng).is_file() or (sums is not None and own_rng in sums)):
+        rng_names = [own_rng, f"rng-rank{rank}.json"]
+    else:
+        rng_names = ["rng.safetensors"]
+    if sums is not None:   # the engine files as written (a missing one is reported, not skipped)
+        eng_names = sorted(n for n in sums if _is_engine_file(n))
+    elif (ckpt_dir / "engine.safetensors").is_file():
+        eng_names = ["engine.safetensors"]
+    else:
+        eng_names = sorted(p.name for p in ckpt_dir.glob("engine-*.safetensors"))
+    _verify(ckpt_dir, sums, rng_names + eng_names)
+    if len(rng_names) == 2:
+        rng_t, rng_js = _read_tensors(ckpt_dir / rng_names[0]), _read_json(ckpt_dir / rng_names[1])
     else:
         rng_t, rng_js = _read_tensors(ckpt_dir / "rng.safetensors"), state.get("rng")
-    eng = ckpt_dir / "engine.safetensors"
     tensors: Mapping[str, torch.Tensor] | None
-    if eng.is_file():
-        tensors = _read_tensors(eng)
+    if "engine.safetensors" in eng_names:
+        tensors = _read_tensors(ckpt_dir / "engine.safetensors")
     else:
-        shards = sorted(ckpt_dir.glob("engine-*.safetensors"))
-        tensors = ShardedTensors(shards) if shards else None
+        tensors = ShardedTensors([ckpt_dir / n for n in eng_names]) if eng_names else None
     try:   # (after every read: a damaged file leaves the RNG states as they were)
         set_rng_state(rng_t, rng_js)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
