@@ -220,6 +220,13 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _gib_up(n: float) -> str:
+    """`_gib`, rounded up: a floor the user may set as it reads."""
+    if 0 < abs(n) < 0.005 * GiB:
+        return f"{math.ceil(n / 2**20 * 100) / 100:.2f} MiB"
+    return f"{math.ceil(n / GiB * 100) / 100:.2f} GiB"
+
+
 def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
     lines: list[str] = []
     blocks = [d for d in plan.layers if d.kind == "block"]
@@ -342,19 +349,118 @@ def best_split(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     return sorted(out, key=lambda t: -t[2].predicted.tokens_per_s)
 
 
-def _least_host_and_nvme(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
-                         options: PlannerOptions) -> tuple[int, int]:
-    """Host and NVMe bytes of the plan that keeps the least on the host: everything that may live
-    on NVMe there (parameters, activations, gradients, optimizer state; 8-bit states stay on the
-    host, as `pins_for` requires). The host figure is a floor for any plan; the sum, about what
-    host and NVMe must hold together."""
+def _off_device_layouts(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                        method: str = "milp") -> list[dict[str, int]]:
+    """Per-tier peaks (simulate.memory_peaks) of a few layouts that keep little on the host, what
+    the method's pins fix kept as pinned (8-bit states on the host: `pins_for`). Off-device
+    items go to NVMe (where planner.allow_nvme) or the host; parameters stay on the device, or
+    the embedding's and head's do, or none (streamed: `depth` of the largest layer's weights
+    staged on the host when from NVMe); kept activations on NVMe, or block boundaries on the
+    device (recompute); gradients (with accumulation) on the off tier; optimizer state on the
+    off tier, except that on NVMe the largest layers' may stay on the host where that costs less
+    than staging them (NVME_STATE_SETS sets of the largest NVMe-tier layer's)."""
     costs = job_costs(model, hw, job)
-    n = model.num_layers + 2
-    opt = "host" if job.mode == "full" and job.optimizer_state_bits == 8 else "nvme"
-    a = Assignment(segments=tuple(Segment(j, j + 1, STORE, "nvme") for j in range(model.num_layers)),
-                   param_tier=("nvme",) * n, grad_tier=("nvme",) * n, optimizer_tier=(opt,) * n)
-    peaks = memory_peaks(costs, a, options.prefetch_depth)[0]
-    return peaks["host"], peaks["nvme"]
+    L = model.num_layers
+    n = L + 2
+    pins = pins_for(method, L, job) or Pins()
+
+    def pinned(tiers: tuple[str, ...], pin) -> tuple[str, ...]:
+        return tiers if pin is None else tuple(t if p is None else p for t, p in zip(tiers, pin))
+
+    offs = ("nvme", "host") if options.allow_nvme else ("host",)
+    if pins.segments is not None:
+        seg_sets = [pins.segments]
+    else:
+        seg_sets = [tuple(Segment(j, j + 1, RECOMPUTE, "device") for j in range(L))]
+        if options.allow_nvme:
+            seg_sets.append(tuple(Segment(j, j + 1, STORE, "nvme") for j in range(L)))
+    # optimizer state on NVMe: the k largest layers' on the host instead (k at each size change)
+    order = sorted(range(n), key=lambda j: -costs.layers[j].optimizer_bytes)
+    ks = [k for k in range(n + 1) if k in (0, n)
+          or costs.layers[order[k - 1]].optimizer_bytes > costs.layers[order[k]].optimizer_bytes]
+    out = []
+    for off in offs:
+        for params in ("device", "ends", "off"):
+            pt = tuple("device" if params == "device" or (params == "ends" and j in (0, n - 1)) else off
+                       for j in range(n))
+            pt = pinned(pt, pins.param_tier)
+            gt = pinned((off,) * n, pins.grad_tier)
+            for k in (ks if off == "nvme" else [0]):
+                host_set = set(order[:k])
+                ot = pinned(tuple("host" if j in host_set else off for j in range(n)), pins.optimizer_tier)
+                for segs in seg_sets:
+                    a = Assignment(segments=tuple(segs), param_tier=pt, grad_tier=gt, optimizer_tier=ot)
+                    out.append(memory_peaks(costs, a, options.prefetch_depth)[0])
+    return out
+
+
+def _least_host_and_nvme(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                         method: str = "milp") -> tuple[int, int]:
+    """Host and NVMe bytes of the layout (of `_off_device_layouts`, those the device holds where
+    any does) that keeps the least on the host: a floor for plans like it; with that much host
+    memory and the NVMe it needs, the job plans (device memory permitting). Parameters the device holds take no host memory
+    (a 16-bit llama3-8b's on a 24 GiB GPU), streamed ones `depth` staging buffers."""
+    layouts = _off_device_layouts(model, hw, job, options, method)
+    held = [p for p in layouts if p["device"] <= hw.device_memory_bytes] or layouts
+    best = min(held, key=lambda p: (p["host"], p["nvme"]))
+    return best["host"], best["nvme"]
+
+
+def _off_device_fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                     method: str = "milp") -> bool:
+    """Whether one of `_off_device_layouts` (one the device holds, where any does) fits what the
+    host and NVMe hold: the planner then has a plan for it."""
+    costs = job_costs(model, hw, job)
+    layouts = _off_device_layouts(model, hw, job, options, method)
+    held = [p for p in layouts if p["device"] <= hw.device_memory_bytes] or layouts
+    return any(p["host"] <= costs.host_capacity_bytes and p["nvme"] <= costs.nvme_capacity_bytes for p in held)
+
+
+def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                       method: str, host: int, nvme: int) -> str:
+    """What would let the job fit off the device: the job settings (not already in effect) whose
+    floor host and NVMe hold, each with its host floor, and the host memory (or NVMe) the job
+    needs as it is."""
+    changes: list[tuple[str, dict]] = []
+    if job.mode == "full":
+        if job.master_dtype != "bf16" and job.compute_dtype == "bf16":
+            # pure bf16 keeps no fp32 master, which 8-bit states need (JobSpec)
+            changes.append(("job.master_dtype=bf16" + (" job.optimizer_state_bits=32"
+                                                       if job.optimizer_state_bits == 8 else ""),
+                            dict(master_dtype="bf16", optimizer_state_bits=32)))
+        if job.optimizer_state_bits != 8 and job.master_dtype == "fp32":
+            changes.append(("job.optimizer_state_bits=8", dict(optimizer_state_bits=8)))
+    if job.mode != "lora":
+        changes.append(("job.mode=lora", dict(mode="lora")))
+    fixes = []
+    for label, kw in changes:
+        try:
+            other = replace(job, **kw)
+        except ValueError:
+            continue
+        if _off_device_fits(model, hw, other, options, method):
+            floor = _least_host_and_nvme(model, hw, other, options, method)[0]
+            fixes.append(f"{label} (host floor {_gib_up(floor)})")
+    costs = job_costs(model, hw, job)
+    # the host memory (and NVMe) with which the floor's layout fits, rounded up to 0.01 GiB
+    # hardware.host_memory_gib also holds the reserve (and a CPU device's memory: job_costs)
+    extra = hw.host_memory_bytes - hw.host_usable_bytes + (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
+    needs = []
+    if host > costs.host_capacity_bytes:
+        needs.append(f"hardware.host_memory_gib={math.ceil((host + extra) / GiB * 100) / 100:.2f}")
+    if nvme > costs.nvme_capacity_bytes:
+        needs.append(f"hardware.nvme_capacity_gib={math.ceil(nvme / GiB * 100) / 100:.2f}")
+    more = ("add " + " and ".join(w for w, ok in (("host memory", host > costs.host_capacity_bytes),
+                                                  ("NVMe", nvme > costs.nvme_capacity_bytes)) if ok)
+            + f" ({', '.join(needs)})") if needs else "add host memory or NVMe"
+    if fixes:
+        return f"{more}, or use {' or '.join(fixes)}"
+    tried = [label for label, _ in changes]
+    return more + (f" (with {_or(tried)} it would not fit either)" if tried else "")
+
+
+def _or(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
 def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
@@ -365,16 +471,16 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         return [f"the planner hit planner.time_limit_s={options.time_limit_s} before finding any plan "
                 f"or proving none fits; raise planner.time_limit_s"]
     if need is None:
-        host, nvme = _least_host_and_nvme(model, hw, job, options)
-        if host > hw.host_usable_bytes:
-            why = (f"the host needs at least {_gib(host)} even with everything that may live on NVMe "
+        host, nvme = _least_host_and_nvme(model, hw, job, options, method)
+        if host > job_costs(model, hw, job).host_capacity_bytes:
+            why = (f"the host needs at least {_gib_up(host)} even with everything that may live on NVMe "
                    f"there (it has {_gib(hw.host_usable_bytes)} usable)")
         else:
             why = (f"host ({_gib(hw.host_usable_bytes)} usable) and NVMe ({_gib(hw.nvme_capacity_bytes)}) "
                    f"together hold less than the ~{_gib(host + nvme)} it needs")
         return [f"{what} fits: the parameters, gradients and optimizer state of {model.name} "
                 f"({model.param_count / 1e9:.2f}B params, mode {job.mode}) do not fit off the device: "
-                f"{why}; add host memory or NVMe, use job.mode=lora or job.optimizer_state_bits=8"]
+                f"{why}; {_off_device_advice(model, hw, job, options, method, host, nvme)}"]
     best = 0
     if job.batch_size > 1:
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1)
