@@ -176,8 +176,12 @@ class DeepSpeedTrainer:
         # never swaps it back: restored in close(), so what runs next in this process (another
         # engine, a plain model) saves and computes what it would have
         self._linear = torch.nn.functional.linear
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=params, config=cfg)
+        try:
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=params, config=cfg)
+        except BaseException:   # (it may have swapped it before failing)
+            torch.nn.functional.linear = self._linear
+            raise
         self.model = self.engine.module
         self._cuda = torch.cuda.is_available()
 

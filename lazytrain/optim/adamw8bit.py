@@ -52,6 +52,7 @@ from lazytrain.optim.kernel_torch import HYPER_FIELDS
 
 STATE_FORMAT = "lazytrain-adamw8bit-v1"
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+PRESCALE_CLIP_BELOW = 1e-12   # clip**2 * (1 - b2) stays a normal fp32 number above it
 # torch.optim.AdamW group options this optimizer does not implement; a group asking for them is
 # an error rather than silently plain AdamW.
 _UNSUPPORTED_GROUP_OPTIONS = ("amsgrad", "maximize")
@@ -282,6 +283,11 @@ class AdamW8bit(torch.optim.Optimizer):
         clip = float(clip_scale)
         if not math.isfinite(clip):
             raise ValueError(f"AdamW8bit.step_params: clip_scale must be finite, got {clip_scale}")
+        # The kernels fold the factor into fp32 coefficients, clip * (1 - b1) and clip**2 * (1 - b2);
+        # below PRESCALE_CLIP_BELOW the second would underflow (a finite norm ~1e12+ x max_grad_norm,
+        # a gradient spike) and v would lose the step's gradient: then the gradients are scaled
+        # first, in a temporary (rare: only such spikes pay the extra pass).
+        prescale = 0.0 < clip < PRESCALE_CLIP_BELOW
         work: dict[tuple[torch.device, bool], list] = defaultdict(list)
         for p, group in pairs:
             if p.grad is None:
@@ -291,11 +297,13 @@ class AdamW8bit(torch.optim.Optimizer):
                 raise ValueError(f"AdamW8bit: grad shape {tuple(p.grad.shape)} != param {tuple(p.shape)}")
             state["step"] += 1
             grad = p.grad.reshape(-1)
-            if grad.dtype not in _SUPPORTED_PARAM_DTYPES:
+            if grad.dtype not in _SUPPORTED_PARAM_DTYPES or prescale:
                 grad = grad.float()
+            if prescale:
+                grad = grad * clip   # (a new tensor: p.grad is left as it was)
             work[(p.device, "qm" in state)].append((p, grad.contiguous(), state, group))
         for (device, is8bit), items in work.items():
-            self._update(device, is8bit, items, clip)
+            self._update(device, is8bit, items, 1.0 if prescale else clip)
 
     def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> None:
         weights = [s["master"] if "master" in s else p.view(-1) for p, _, s, _ in items]

@@ -301,6 +301,12 @@ class _ReadRecorder(dict):
     def keys(self):   # `k in d.keys()` is a lookup too; iterating it is not
         return collections.abc.KeysView(self)
 
+    def __iter__(self):
+        # Overridden (unchanged) so that `Model(**d)` takes CPython's generic path, keys() then
+        # d[k], which records each key: a dict subclass with dict's own __iter__ is copied
+        # entry by entry without a lookup, and a whole pydantic-read section looked unread.
+        return super().__iter__()
+
 
 def _unread_by_deepspeed(cfg: dict[str, Any], overrides: dict[str, Any], parser) -> list[str]:
     """Your keys DeepSpeed's parser never looks up, where it looks up others beside them (a section

@@ -192,3 +192,25 @@ def test_global_norm_over_params_on_cpu_and_cuda():
     got = opt.grad_sq_sum([a, b])
     assert got.device.type == "cpu"
     assert abs(float(got) - float(expect)) <= 1e-5 * float(expect)
+
+
+def test_clip_factor_of_a_huge_spike_still_updates_v():
+    """The fused pass folds the clip factor into clip**2 * (1 - b2), which underflows fp32 for a
+    spike ~1e12+ times max_grad_norm: v would lose the step's gradient. Such a step scales the
+    gradients first, exactly as clip_grad_norm_ would, and leaves p.grad as it was."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70_000, generator=g)
+    spike = torch.randn(70_000, generator=g) * 1e15
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    oa, ob = AdamW8bit([a], lr=1e-3, max_grad_norm=1.0), AdamW8bit([b], lr=1e-3)
+    a.grad = spike.clone()
+    oa.step()
+    clip = oa.clip_scale(spike.double().pow(2).sum().float())
+    assert clip < 1e-12
+    assert torch.equal(a.grad, spike)                      # untouched
+    b.grad = spike * clip                                  # clip_grad_norm_ then an unclipped step
+    ob.step()
+    assert torch.equal(a.detach(), b.detach())
+    for k in ("qv", "absmax_v"):
+        assert torch.equal(oa.state[a][k], ob.state[b][k])
+    assert float(ob.state[b]["absmax_v"].max()) > 0        # v saw the (clipped) gradient
