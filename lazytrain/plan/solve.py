@@ -406,16 +406,6 @@ def _least_host_and_nvme(model: ModelSpec, hw: HardwareSpec, job: JobSpec, optio
     return best["host"], best["nvme"]
 
 
-def _off_device_fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
-                     method: str = "milp") -> bool:
-    """Whether one of `_off_device_layouts` (one the device holds, where any does) fits what the
-    host and NVMe hold: the planner then has a plan for it."""
-    costs = job_costs(model, hw, job)
-    layouts = _off_device_layouts(model, hw, job, options, method)
-    held = [p for p in layouts if p["device"] <= hw.device_memory_bytes] or layouts
-    return any(p["host"] <= costs.host_capacity_bytes and p["nvme"] <= costs.nvme_capacity_bytes for p in held)
-
-
 def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
                        method: str, host: int, nvme: int) -> str:
     """What would let the job fit off the device: the job settings (not already in effect) whose
@@ -438,25 +428,41 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
             other = replace(job, **kw)
         except ValueError:
             continue
-        if _off_device_fits(model, hw, other, options, method):
-            floor = _least_host_and_nvme(model, hw, other, options, method)[0]
-            fixes.append(f"{label} (host floor {_gib_up(floor)})")
+        # Each change is planned (only this path pays it), not judged by the layouts' floor: on a
+        # small device a change can fit host and NVMe and still not plan, and without NVMe the
+        # floor overstates what the planner needs (it keeps some blocks resident).
+        if (p := _planned(model, hw, other, options, method)) is not None:
+            fixes.append(f"{label} (planned host peak {_gib_up(p.predicted.peak_bytes.get('host', 0))})")
     costs = job_costs(model, hw, job)
     # the host memory (and NVMe) with which the floor's layout fits, rounded up to 0.01 GiB
     # hardware.host_memory_gib also holds the reserve (and a CPU device's memory: job_costs)
     extra = hw.host_memory_bytes - hw.host_usable_bytes + (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
-    needs = []
+    needs, more_hw = [], {}
     if host > costs.host_capacity_bytes:
-        needs.append(f"hardware.host_memory_gib={math.ceil((host + extra) / GiB * 100) / 100:.2f}")
+        more_hw["host_memory_gib"] = math.ceil((host + extra) / GiB * 100) / 100
     if nvme > costs.nvme_capacity_bytes:
-        needs.append(f"hardware.nvme_capacity_gib={math.ceil(nvme / GiB * 100) / 100:.2f}")
-    more = ("add " + " and ".join(w for w, ok in (("host memory", host > costs.host_capacity_bytes),
-                                                  ("NVMe", nvme > costs.nvme_capacity_bytes)) if ok)
-            + f" ({', '.join(needs)})") if needs else "add host memory or NVMe"
+        more_hw["nvme_capacity_gib"] = math.ceil(nvme / GiB * 100) / 100
+    needs = [f"hardware.{k}={v:.2f}" for k, v in more_hw.items()]
+    short = " and ".join(w for w, k in (("host memory", "host_memory_gib"), ("NVMe", "nvme_capacity_gib"))
+                         if k in more_hw)
+    if not more_hw:
+        more = "add host memory or NVMe"
+    elif _planned(model, replace(hw, **more_hw), job, options, method) is not None:
+        more = f"add {short} ({', '.join(needs)})"
+    else:
+        more = (f"add {short} (with {' '.join(needs)} alone it still does not plan: the device needs "
+                f"more memory too)")
     if fixes:
         return f"{more}, or use {' or '.join(fixes)}"
     tried = [label for label, _ in changes]
-    return more + (f" (with {_or(tried)} it would not fit either)" if tried else "")
+    return more + (f" (with {_or(tried)} it would not plan either)" if tried else "")
+
+
+def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+             method: str) -> Plan | None:
+    """The plan of a suggested change, if it fits (not cached, not explained)."""
+    p = plan_job(model, hw, job, options, cache_dir=None, explain=False, method=method)
+    return p if p.fits else None
 
 
 def _or(items: list[str]) -> str:
@@ -466,19 +472,21 @@ def _or(items: list[str]) -> str:
 def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
                        method: str = "milp") -> list[str]:
     need = min_device_bytes(model, hw, job, options, method)
-    what = "no plan" if method == "milp" else f"{method} does not"
+    what = "no plan fits" if method == "milp" else f"{method} does not fit"
     if need == TIMED_OUT:
         return [f"the planner hit planner.time_limit_s={options.time_limit_s} before finding any plan "
                 f"or proving none fits; raise planner.time_limit_s"]
     if need is None:
         host, nvme = _least_host_and_nvme(model, hw, job, options, method)
         if host > job_costs(model, hw, job).host_capacity_bytes:
-            why = (f"the host needs at least {_gib_up(host)} even with everything that may live on NVMe "
-                   f"there (it has {_gib(hw.host_usable_bytes)} usable)")
+            where = ("even with everything that may live on NVMe there" if options.allow_nvme else
+                     "with NVMe off (planner.allow_nvme=false)")
+            why = (f"the host needs about {_gib_up(host)} {where} (the least of the layouts checked; "
+                   f"it has {_gib(hw.host_usable_bytes)} usable)")
         else:
             why = (f"host ({_gib(hw.host_usable_bytes)} usable) and NVMe ({_gib(hw.nvme_capacity_bytes)}) "
                    f"together hold less than the ~{_gib(host + nvme)} it needs")
-        return [f"{what} fits: the parameters, gradients and optimizer state of {model.name} "
+        return [f"{what}: the parameters, gradients and optimizer state of {model.name} "
                 f"({model.param_count / 1e9:.2f}B params, mode {job.mode}) do not fit off the device: "
                 f"{why}; {_off_device_advice(model, hw, job, options, method, host, nvme)}"]
     best = 0
@@ -488,6 +496,6 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
             f"(job.batch_size={best})" if best else
             f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory")
     need_gib = math.ceil(need / GiB * 100) / 100  # rounded up: the suggested setting must fit
-    return [f"{what} fits hardware.device_memory_gib={hw.device_memory_gib}: this job "
+    return [f"{what} hardware.device_memory_gib={hw.device_memory_gib}: this job "
             f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_gib:.2f} GiB "
             f"of device memory (hardware.device_memory_gib={need_gib:.2f}); {tail}"]
