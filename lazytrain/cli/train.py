@@ -35,6 +35,44 @@ def _overrides(argv: list[str]) -> list[str]:
             and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
+def _swept_keys(argv: list[str]) -> list[str]:
+    """Keys a --multirun sweeps on the command line: a comma outside brackets and quotes, or a
+    sweep function (range, choice, interval, glob)."""
+    keys = []
+    for a in _overrides(argv):
+        k, v = a.split("=", 1)
+        depth, quote, top = 0, None, []
+        for ch in v:
+            if quote:
+                quote = None if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch in "[{(":
+                depth += 1
+            elif ch in "]})":
+                depth -= 1
+            elif depth == 0:
+                top.append(ch)
+        if "," in top or v.startswith(("range(", "choice(", "interval(", "glob(")):
+            keys.append(k.lstrip("+~"))
+    return keys
+
+
+def _sweep_subdir(cfg, keys: list[str], num: int) -> str:
+    """A sweep job's subdir of output_dir: named by its swept values (the same job finds its own
+    dir again when the sweep is re-run with resume=true, in any order), else Hydra's job number."""
+    from omegaconf import OmegaConf
+
+    if not keys:
+        return str(num)
+    name = ",".join(f"{k}={OmegaConf.select(cfg, k)}" for k in keys)
+    name = "".join(c if c.isalnum() or c in "=,._+-" else "_" for c in name)
+    if len(name) > 120:
+        import hashlib
+        name = name[:100] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    return name
+
+
 def _error(msg: str) -> int:
     print(f"lazytrain train: {msg}", file=sys.stderr)
     return 2
@@ -65,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
+    swept = _swept_keys(argv)
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
@@ -84,9 +123,9 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
         hc = HydraConfig.get()
         out = cfg.output_dir or hc.runtime.output_dir
         if cfg.output_dir and str(hc.mode) == "RunMode.MULTIRUN":
-            # one output_dir for a sweep: each job in its own subdir (numbered as Hydra numbers
-            # them), not all in one (the second job would find the first one's checkpoints)
-            out = os.path.join(str(cfg.output_dir), str(hc.job.num))
+            # one output_dir for a sweep: each job in its own subdir, not all in one (the second
+            # job would find the first one's checkpoints)
+            out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, swept, hc.job.num))
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

@@ -113,11 +113,22 @@ def test_multirun_with_output_dir_gives_each_job_its_own(base_overrides, tmp_pat
             f"hydra.sweep.dir={tmp_path / 'sweep'}", "save_final_model=false"]
     rc, io = _main([*args, "job.max_steps=2"], capsys)
     assert rc == 0, io.err
-    recs = [[json.loads(x) for x in (tmp_path / "sw" / n / "metrics.jsonl").read_text().splitlines()] for n in "01"]
+    dirs = ["optim.lr=0.001", "optim.lr=0.002"]   # named by the swept values
+    recs = [[json.loads(x) for x in (tmp_path / "sw" / n / "metrics.jsonl").read_text().splitlines()] for n in dirs]
     assert [len(r) for r in recs] == [2, 2] and recs[0][-1]["lr"] != recs[1][-1]["lr"]
+    # re-run in another order: each job resumes its own run, not the one with its number
+    args[args.index("optim.lr=1e-3,2e-3")] = "optim.lr=2e-3,1e-3"
     rc, io = _main([*args, "job.max_steps=3", "resume=true"], capsys)
     assert rc == 0, io.err
-    assert [len((tmp_path / "sw" / n / "metrics.jsonl").read_text().splitlines()) for n in "01"] == [3, 3]
+    again = [[json.loads(x) for x in (tmp_path / "sw" / n / "metrics.jsonl").read_text().splitlines()] for n in dirs]
+    assert [len(r) for r in again] == [3, 3] and [r[:2] for r in again] == recs
+    assert again[0][-1]["lr"] < again[1][-1]["lr"]
+
+
+def test_swept_keys_are_the_sweeps_only():
+    argv = ["--multirun", "optim.lr=1e-3,2e-3", "data.files=[a.txt,b.txt]", "job.seq_len=range(64,129,64)",
+            "+x.y='a,b'", "seed=choice(1,2)", "hydra.sweep.dir=s,t", "job.batch_size=2"]
+    assert cli._swept_keys(argv) == ["optim.lr", "job.seq_len", "seed"]
 
 
 def test_stopped_and_finished_runs_say_so(base_overrides, tmp_path, capsys):
