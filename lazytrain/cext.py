@@ -65,9 +65,9 @@ class Extension:
         """Where the compiled extension lives (created on demand): one dir per torch and Python
         version, so environments with different torch builds sharing a home do not rebuild over the
         library another one has loaded (a process that loads it mid-rebuild gets a mismatched ABI)."""
-        import torch
-
         import hashlib
+
+        import torch
 
         # the flags too, and for -march=native the CPU's features: code built on one CPU can be
         # illegal instructions on another machine sharing the home directory
