@@ -16,8 +16,8 @@ leaves the previous checkpoint and `latest` intact. Engines with their own forma
 write into `step_*/engine/` inside the same temp dir, so they get the same atomicity.
 
 Integrity: each file resume reads (engine*.safetensors, rng*.safetensors, rng-rank<R>.json) has its
-size and crc32 recorded in state.json, hashed right after it is written (read back in 4 MiB chunks
-while still in the page cache), and checked before it is used: a damaged or truncated file raises
+size and crc32 recorded in state.json, hashed as it is written (the header read back, the tensor
+data from memory), and checked before it is used: a damaged or truncated file raises
 DiskIOError naming it. DeepSpeed's own `engine/` dir is not checksummed (DeepSpeed loads it itself).
 Checkpoints written before checksums were recorded load as before, unchecked.
 """
@@ -106,6 +106,28 @@ def file_digest(path: Path) -> dict[str, int]:
     return {"bytes": size, "crc32": crc}
 
 
+def written_digest(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """`file_digest` of a safetensors file just written from `tensors`, reading only its header
+    back: the data section is the tensors' bytes in the header's offset order, hashed from memory
+    (a checkpoint larger than the page cache would otherwise be read back from disk)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        head += f.read(n)
+    index = json.loads(head[8:])
+    crc, end = zlib.crc32(head), 0
+    for name, meta in sorted(((k, v) for k, v in index.items() if k != "__metadata__"),
+                             key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, stop = meta["data_offsets"]
+        if begin != end:   # (safetensors packs them back to back; anything else: hash the file)
+            return file_digest(path)
+        t = tensors[name]
+        if t.numel():
+            crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
+        end = stop
+    return {"bytes": len(head) + end, "crc32": crc}
+
+
 def _state_crc(state: Mapping[str, Any]) -> int:
     """crc32 of `state` (without STATE_SUM) as canonical JSON; the same after a JSON round trip."""
     rest = {k: v for k, v in state.items() if k != STATE_SUM}
@@ -176,9 +198,10 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
     sums: dict[str, dict[str, int]] = {}   # (rank 0's) size and crc32 of every file resume reads
 
     def save(tensors: Mapping[str, torch.Tensor], name: str) -> None:
-        save_file(_contiguous(tensors), str(tmp / name))
-        if main:   # hashed now, while the file is still in the page cache
-            sums[name] = file_digest(tmp / name)
+        contiguous = _contiguous(tensors)
+        save_file(contiguous, str(tmp / name))
+        if main:   # the tensors' bytes hashed from memory: a large file is not read back from disk
+            sums[name] = written_digest(tmp / name, contiguous)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".step_{step:06d}.tmp"

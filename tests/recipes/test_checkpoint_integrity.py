@@ -140,3 +140,19 @@ def test_checkpoint_without_checksums_still_loads(base_overrides, tmp_path):
     s = _run(ov, out, "resume=true")
     assert s["start_step"] == 2 and s["end_step"] == 4
     assert len(_losses(out)) == 4
+
+
+def test_digest_from_memory_equals_the_files(tmp_path):
+    """The checksum recorded at save is computed from the tensors in memory and the header read
+    back; it must equal what resume computes from the file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lazytrain.recipes.checkpoint import file_digest, written_digest
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(33, 7, generator=g), "h": torch.randn(5, generator=g).bfloat16(),
+               "i": torch.arange(3, dtype=torch.int64), "s": torch.tensor(2.5), "e": torch.empty(0, 4),
+               "b": torch.tensor([True, False])}
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path), metadata={"k": "v"})
+    assert written_digest(path, tensors) == file_digest(path)
