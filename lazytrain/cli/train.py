@@ -36,40 +36,35 @@ def _overrides(argv: list[str]) -> list[str]:
 
 
 def _swept_keys(argv: list[str]) -> list[str]:
-    """Keys a --multirun sweeps on the command line: a comma outside brackets and quotes, or a
-    sweep function (range, choice, interval, glob)."""
-    keys = []
-    for a in _overrides(argv):
-        k, v = a.split("=", 1)
-        depth, quote, top = 0, None, []
-        for ch in v:
-            if quote:
-                quote = None if ch == quote else quote
-            elif ch in "'\"":
-                quote = ch
-            elif ch in "[{(":
-                depth += 1
-            elif ch in "]})":
-                depth -= 1
-            elif depth == 0:
-                top.append(ch)
-        if "," in top or v.startswith(("range(", "choice(", "interval(", "glob(")):
-            keys.append(k.lstrip("+~"))
-    return keys
+    """Keys a --multirun sweeps on the command line, as Hydra's own override parser sees them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(_overrides(argv))
+    except Exception:  # noqa: BLE001 - Hydra reports a bad override itself, with its message
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
 
 
 def _sweep_subdir(cfg, keys: list[str], num: int) -> str:
     """A sweep job's subdir of output_dir: named by its swept values (the same job finds its own
-    dir again when the sweep is re-run with resume=true, in any order), else Hydra's job number."""
+    dir again when the sweep is re-run with resume=true, in any order), else Hydra's job number.
+    ASCII letters, digits and =,._+- only; where that (or the value's type: 0.1 vs '0.1') loses
+    anything, a hash of the exact values is appended, so two jobs never share a dir."""
+    import hashlib
+    import json
+
     from omegaconf import OmegaConf
 
     if not keys:
         return str(num)
-    name = ",".join(f"{k}={OmegaConf.select(cfg, k)}" for k in keys)
-    name = "".join(c if c.isalnum() or c in "=,._+-" else "_" for c in name)
-    if len(name) > 120:
-        import hashlib
-        name = name[:100] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    values = [(k, OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(cfg, k))
+               else v) for k in keys]
+    exact = ",".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in values)
+    name = ",".join(f"{k}={v}" for k, v in values)
+    name = "".join(c if (c.isascii() and c.isalnum()) or c in "=,._+-" else "_" for c in name)
+    if name != exact or len(name) > 120:
+        name = name[:100] + "-" + hashlib.sha1(exact.encode()).hexdigest()[:12]
     return name
 
 
@@ -125,7 +120,9 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
         if cfg.output_dir and str(hc.mode) == "RunMode.MULTIRUN":
             # one output_dir for a sweep: each job in its own subdir, not all in one (the second
             # job would find the first one's checkpoints)
-            out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, swept, hc.job.num))
+            params = (hc.sweeper.get("params") if hc.sweeper is not None else None) or {}   # hydra.sweeper.params
+            keys = swept + [str(k) for k in params if str(k) not in swept]
+            out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num))
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

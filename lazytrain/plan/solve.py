@@ -458,10 +458,15 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     return more + (f" (with {_or(tried)} it would not plan either)" if tried else "")
 
 
+SUGGESTION_TIME_LIMIT_S = 10.0
+
+
 def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
              method: str) -> Plan | None:
-    """The plan of a suggested change, if it fits (not cached, not explained)."""
-    p = plan_job(model, hw, job, options, cache_dir=None, explain=False, method=method)
+    """The plan of a suggested change, if it fits (not cached, not explained; at most 10 s of
+    solver time each, as up to four run on the infeasible path)."""
+    quick = replace(options, time_limit_s=min(options.time_limit_s, SUGGESTION_TIME_LIMIT_S))
+    p = plan_job(model, hw, job, quick, cache_dir=None, explain=False, method=method)
     return p if p.fits else None
 
 

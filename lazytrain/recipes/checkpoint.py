@@ -117,7 +117,7 @@ def written_digest(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str,
     index = json.loads(head[8:])
     crc, end = zlib.crc32(head), 0
     for name, meta in sorted(((k, v) for k, v in index.items() if k != "__metadata__"),
-                             key=lambda kv: kv[1]["data_offsets"][0]):
+                             key=lambda kv: tuple(kv[1]["data_offsets"])):
         begin, stop = meta["data_offsets"]
         if begin != end:   # (safetensors packs them back to back; anything else: hash the file)
             return file_digest(path)

@@ -127,8 +127,35 @@ def test_multirun_with_output_dir_gives_each_job_its_own(base_overrides, tmp_pat
 
 def test_swept_keys_are_the_sweeps_only():
     argv = ["--multirun", "optim.lr=1e-3,2e-3", "data.files=[a.txt,b.txt]", "job.seq_len=range(64,129,64)",
-            "+x.y='a,b'", "seed=choice(1,2)", "hydra.sweep.dir=s,t", "job.batch_size=2"]
-    assert cli._swept_keys(argv) == ["optim.lr", "job.seq_len", "seed"]
+            "+x.y='a,b'", "seed=choice(1,2)", "hydra.sweep.dir=s,t", "job.batch_size=2", "optim.eps=sort(1,2)",
+            "optim.betas= shuffle([0.9,0.99],[0.9,0.999])"]
+    assert cli._swept_keys(argv) == ["optim.lr", "job.seq_len", "seed", "optim.eps", "optim.betas"]
+
+
+def test_sweep_set_in_config_names_the_subdirs(base_overrides, tmp_path, capsys, monkeypatch):
+    """A sweep in hydra.sweeper.params (config, not the command line) names the subdirs too."""
+    import shutil
+
+    from lazytrain.cli.config import config_dir
+    cfgs = tmp_path / "configs"
+    shutil.copytree(config_dir(), cfgs)
+    with open(cfgs / "train.yaml", "a") as f:
+        f.write("\nhydra:\n  sweeper:\n    params:\n      optim.weight_decay: 0.0,0.1\n")
+    monkeypatch.setenv("LAZYTRAIN_CONFIG_DIR", str(cfgs))
+    monkeypatch.chdir(tmp_path)
+    rc, io = _main(["--multirun", *base_overrides, "job.max_steps=1", "save_final_model=false",
+                    f"output_dir={tmp_path / 'sw'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert rc == 0, io.err
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir()) == ["optim.weight_decay=0.0", "optim.weight_decay=0.1"]
+
+
+def test_sweep_subdirs_never_collide():
+    from omegaconf import OmegaConf
+    names = {cli._sweep_subdir(OmegaConf.create({"d": {"n": v}}), ["d.n"], 0)
+             for v in ("a/b", "a_b", "a b", None, "None", 0.1, "0.1", ["a b"], ["a_b"], "日本語" * 40)}
+    assert len(names) == 10
+    assert all(len(n.encode()) <= 120 and n.isascii() for n in names)
+    assert cli._sweep_subdir(OmegaConf.create({"o": {"lr": 0.001}}), ["o.lr"], 3) == "o.lr=0.001"
 
 
 def test_stopped_and_finished_runs_say_so(base_overrides, tmp_path, capsys):
