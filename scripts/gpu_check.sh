@@ -3,7 +3,7 @@
 # `lazytrain profile` + two short `lazytrain train` runs on the GPU (whole budget; a budget that
 # forces streaming and recompute) reporting predicted vs measured step time and device peak.
 # Ends with a short table. Usage: bash scripts/gpu_check.sh
-# Logs (8 files) go to $GPU_CHECK_DIR, else $OUT (the device tool's folder), else /tmp/gpu_check;
+# Logs go to $GPU_CHECK_DIR (default /tmp/gpu_check; packed into $OUT/gpu_check.tgz when $OUT is set);
 # the runs' own output dirs (traces, checkpoints) to /tmp/gpu_check_runs.
 #
 # Without .venv (a bare machine with CUDA torch and no network): uses python3 with this checkout on
@@ -12,7 +12,9 @@
 # (`bash scripts/fetch_device_wheels.sh 3.12`) and have the device tool carry them (carry: [".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR="${GPU_CHECK_DIR:-${OUT:-/tmp/gpu_check}}"
+# logs go to $GPU_CHECK_DIR (default /tmp/gpu_check); with $OUT set (the device tool, which takes
+# back at most 8 files) they are also packed, with both runs' traces, into $OUT/gpu_check.tgz
+OUTDIR="${GPU_CHECK_DIR:-/tmp/gpu_check}"
 RUNS=/tmp/gpu_check_runs
 mkdir -p "$OUTDIR" "$RUNS"
 rm -f "$OUTDIR/status.txt"
@@ -66,6 +68,10 @@ timeout -k 5 "${BENCH_S:-170}" $PY scripts/bench_gpu.py > "$OUTDIR/bench_gpu.txt
 status_bench=$?
 tail -12 "$OUTDIR/bench_gpu.txt"
 
+echo "== bench_host_thread"   # is the optimizer thread slowed by the main thread's launching?
+timeout -k 5 "${HOST_THREAD_S:-60}" $PY scripts/bench_host_thread.py > "$OUTDIR/host_thread.txt" 2>&1
+tail -5 "$OUTDIR/host_thread.txt"
+
 # A ~150M Llama on the demo corpus: profile this machine, then train with the measured profile.
 M="${GPU_CHECK_MODEL:-model=small-llama model.hf_config.hidden_size=1024 model.hf_config.intermediate_size=2816
    model.hf_config.num_hidden_layers=12 model.hf_config.num_attention_heads=16
@@ -113,3 +119,7 @@ cat "$OUTDIR/status.txt" 2>/dev/null
 for n in whole tight; do
   grep -h "step time: predicted" "$OUTDIR/train_$n.txt" 2>/dev/null | sed "s/^/$n: /"
 done
+if [ -n "${OUT:-}" ]; then   # (traces and metrics only: the run dirs also hold checkpoints)
+  tar czf "$OUT/gpu_check.tgz" -C "$OUTDIR" . -C "$RUNS" $(cd "$RUNS" && ls -d lt-*/trace.jsonl lt-*/metrics.jsonl 2>/dev/null) \
+    && echo "logs and traces: \$OUT/gpu_check.tgz"
+fi
