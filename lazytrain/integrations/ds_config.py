@@ -129,16 +129,9 @@ def ds_config_from_plan(plan: Plan, overrides: Mapping[str, Any] | None = None, 
         "sub_group_size": 1_000_000_000,
     }
     if param_tier != "device":
-        off_p: dict[str, Any] = {"device": _TIER_TO_DS[param_tier], "pin_memory": pin}
-        if param_tier == "nvme":
-            off_p.update(nvme_path=nvme_path, buffer_count=NVME_BUFFER_COUNT,
-                         buffer_size=_nvme_buffer_size(plan))
-            zero["stage3_max_reuse_distance"] = NVME_MAX_REUSE_DISTANCE
-        zero["offload_param"] = off_p
-    off_o: dict[str, Any] = {"device": _TIER_TO_DS[opt_tier], "pin_memory": pin}
-    if opt_tier == "nvme":
-        off_o.update(nvme_path=nvme_path, buffer_count=4, fast_init=False)
-    zero["offload_optimizer"] = off_o
+        zero["offload_param"] = {"device": _TIER_TO_DS[param_tier], "pin_memory": pin}
+    zero["offload_optimizer"] = {"device": _TIER_TO_DS[opt_tier], "pin_memory": pin}
+    _complete_nvme(zero, {}, plan, nvme_path)
 
     # Activation checkpointing: per decoder block.
     blocks = [d for d in plan.layers if d.kind == "block"]
@@ -185,18 +178,16 @@ def ds_config_from_plan(plan: Plan, overrides: Mapping[str, Any] | None = None, 
         cfg["gradient_clipping"] = 0.0
     if overrides:
         deep_merge(cfg, overrides)
-        _complete_nvme(cfg, overrides, plan, nvme_path)
+        over = overrides.get("zero_optimization")
+        if isinstance(cfg.get("zero_optimization"), dict):
+            _complete_nvme(cfg["zero_optimization"], over if isinstance(over, Mapping) else {}, plan, nvme_path)
     return cfg, dropped
 
 
-def _complete_nvme(cfg: dict[str, Any], overrides: Mapping[str, Any], plan: Plan, nvme_path: str) -> None:
-    """An offload the overrides moved to NVMe gets what the plan would have given it (where to
-    write, the parameter swap buffers, the reuse distance that works here), unless they set it."""
-    zero = cfg.get("zero_optimization")
-    over = overrides.get("zero_optimization")
-    over = over if isinstance(over, Mapping) else {}
-    if not isinstance(zero, dict):
-        return
+def _complete_nvme(zero: dict[str, Any], over: Mapping[str, Any], plan: Plan, nvme_path: str) -> None:
+    """An offload on NVMe (the plan's, or one the overrides moved there) gets where to write, the
+    swap buffers and, for parameters, the reuse distance that works here, unless the overrides
+    (`over`: their zero_optimization section) set them."""
     for sec in ("offload_param", "offload_optimizer"):
         off = zero.get(sec)
         if not (isinstance(off, dict) and off.get("device") == "nvme"):

@@ -213,18 +213,16 @@ def simulate_plan(plan: Plan) -> Timeline:
 
 # ---- explanations ---------------------------------------------------------------------------
 
-def _gib(n: float) -> str:
-    """GiB to 0.01; a non-zero amount below that in MiB (a toy model's "0.00 GiB" says nothing)."""
-    if 0 < abs(n) < 0.005 * GiB:
-        return f"{n / 2**20:.2f} MiB"
-    return f"{n / GiB:.2f} GiB"
+def _up(n: float, unit: int = GiB) -> float:
+    """`n` bytes in `unit`s, rounded up to 0.01: a floor the user may set as it reads."""
+    return math.ceil(n / unit * 100) / 100
 
 
-def _gib_up(n: float) -> str:
-    """`_gib`, rounded up: a floor the user may set as it reads."""
-    if 0 < abs(n) < 0.005 * GiB:
-        return f"{math.ceil(n / 2**20 * 100) / 100:.2f} MiB"
-    return f"{math.ceil(n / GiB * 100) / 100:.2f} GiB"
+def _gib(n: float, up: bool = False) -> str:
+    """GiB to 0.01 (rounded up with `up`); a non-zero amount below that in MiB (a toy model's
+    "0.00 GiB" says nothing)."""
+    unit, name = (2**20, "MiB") if 0 < abs(n) < 0.005 * GiB else (GiB, "GiB")
+    return f"{_up(n, unit) if up else n / unit:.2f} {name}"
 
 
 def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
@@ -432,16 +430,16 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         # small device a change can fit host and NVMe and still not plan, and without NVMe the
         # floor overstates what the planner needs (it keeps some blocks resident).
         if (p := _planned(model, hw, other, options, method)) is not None:
-            fixes.append(f"{label} (planned host peak {_gib_up(p.predicted.peak_bytes.get('host', 0))})")
+            fixes.append(f"{label} (planned host peak {_gib(p.predicted.peak_bytes.get('host', 0), up=True)})")
     costs = job_costs(model, hw, job)
     # the host memory (and NVMe) with which the floor's layout fits, rounded up to 0.01 GiB
     # hardware.host_memory_gib also holds the reserve (and a CPU device's memory: job_costs)
     extra = hw.host_memory_bytes - hw.host_usable_bytes + (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
-    needs, more_hw = [], {}
+    more_hw = {}
     if host > costs.host_capacity_bytes:
-        more_hw["host_memory_gib"] = math.ceil((host + extra) / GiB * 100) / 100
+        more_hw["host_memory_gib"] = _up(host + extra)
     if nvme > costs.nvme_capacity_bytes:
-        more_hw["nvme_capacity_gib"] = math.ceil(nvme / GiB * 100) / 100
+        more_hw["nvme_capacity_gib"] = _up(nvme)
     needs = [f"hardware.{k}={v:.2f}" for k, v in more_hw.items()]
     short = " and ".join(w for w, k in (("host memory", "host_memory_gib"), ("NVMe", "nvme_capacity_gib"))
                          if k in more_hw)
@@ -486,7 +484,7 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         if host > job_costs(model, hw, job).host_capacity_bytes:
             where = ("even with everything that may live on NVMe there" if options.allow_nvme else
                      "with NVMe off (planner.allow_nvme=false)")
-            why = (f"the host needs about {_gib_up(host)} {where} (the least of the layouts checked; "
+            why = (f"the host needs about {_gib(host, up=True)} {where} (the least of the layouts checked; "
                    f"it has {_gib(hw.host_usable_bytes)} usable)")
         else:
             why = (f"host ({_gib(hw.host_usable_bytes)} usable) and NVMe ({_gib(hw.nvme_capacity_bytes)}) "
@@ -500,7 +498,7 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     tail = (f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} "
             f"(job.batch_size={best})" if best else
             f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory")
-    need_gib = math.ceil(need / GiB * 100) / 100  # rounded up: the suggested setting must fit
+    need_gib = _up(need)  # rounded up: the suggested setting must fit
     return [f"{what} hardware.device_memory_gib={hw.device_memory_gib}: this job "
             f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_gib:.2f} GiB "
             f"of device memory (hardware.device_memory_gib={need_gib:.2f}); {tail}"]

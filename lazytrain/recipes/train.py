@@ -111,6 +111,7 @@ class Preflight:
     tokenizer: Any
     dataset: PackedDataset
     notes: list[str] = field(default_factory=list)
+    ds_overrides: dict[str, Any] = field(default_factory=dict)   # engine=deepspeed: the user's settings
 
 
 def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
@@ -226,7 +227,7 @@ def preflight(cfg: DictConfig) -> Preflight:
         except StorageError as e:
             raise StorageError(f"{e} (storage.nvme_dir defaults to <output_dir>/nvme; set "
                                f"storage.nvme_dir=DIR on a larger disk)") from None
-    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes)
+    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes, ds_over)
 
 
 def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> None:
@@ -336,8 +337,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
                                master_dtype=TORCH_DTYPES[pre.job.master_dtype],
                                count_op_temporaries=bool(cfg.get("count_op_temporaries", False)), **common)
     if cfg.engine == "deepspeed":
-        over = deepspeed_overrides(cfg)
-        return DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, overrides=over, **common)
+        return DeepSpeedEngine(model, pre.plan, nvme_dir=nvme_dir, overrides=pre.ds_overrides, **common)
     return TorchEngine(model, device=device, compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
                        optimizer=optimizer, master_dtype=TORCH_DTYPES[pre.job.master_dtype], **common)
 
@@ -500,11 +500,11 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         if isinstance(engine, DeepSpeedEngine):
             for line in engine.dropped:
                 echo(f"deepspeed: cannot follow the plan here: {line}")
-            over = deepspeed_overrides(cfg)
-            if over:
-                echo(f"deepspeed: your settings, merged over the plan's: {json.dumps(over, sort_keys=True)}")
+            if pre.ds_overrides:
+                echo(f"deepspeed: your settings, merged over the plan's: "
+                     f"{json.dumps(pre.ds_overrides, sort_keys=True)}")
             if ranks.main:   # what DeepSpeed runs with (this run's), for the record and for reuse
-                _write_atomic(out / "ds_config.json", json.dumps(engine.tr.ds_config, indent=2, sort_keys=True) + "\n")
+                ckpt.atomic_write_text(out / "ds_config.json", json.dumps(engine.tr.ds_config, indent=2, sort_keys=True) + "\n")
         start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo, ranks)
     except BaseException:
         engine.close()
@@ -595,16 +595,6 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         echo(f"stopped at step {step} of {max_steps} (stop_at_step={stop_at}); the checkpoint is saved: "
              f"continue with resume=true output_dir={out}")
     return summary
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """_write_text through a temp file and a rename (readers never see half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_text(tmp, text)
-    try:
-        tmp.replace(path)
-    except OSError as e:
-        raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -250,18 +250,16 @@ def test_train_predictor_says_what_to_do(mixtral_store, tiny_moe, tmp_path):
     """Too little text, or a model with one MoE layer, used to fail inside torch (an empty cat, an
     empty parameter list) with nothing to act on."""
     from lazytrain.moe.api import train_predictor
+
+    def refused(store, n_tokens, seq_len, match):
+        eng = load_streamed(store, cache_slots=16, prefetch="none")
+        try:
+            with pytest.raises(ValueError, match=match):
+                train_predictor(eng, list(range(n_tokens)), tmp_path / "p.safetensors", seq_len=seq_len)
+        finally:
+            eng.close()
+
     _, d = mixtral_store
-    eng = load_streamed(d / "store", cache_slots=16, prefetch="none")
-    try:
-        with pytest.raises(ValueError, match="less than one sequence of seq_len=128; give more text"):
-            train_predictor(eng, list(range(50)), tmp_path / "p.safetensors", seq_len=128)
-    finally:
-        eng.close()
-    one = tiny_moe("mixtral", num_hidden_layers=1)
-    convert_model(one, tmp_path / "one")
-    eng = load_streamed(tmp_path / "one", cache_slots=16, prefetch="none")
-    try:
-        with pytest.raises(ValueError, match="1 MoE layer.*needs at least 2"):
-            train_predictor(eng, list(range(300)), tmp_path / "p.safetensors", seq_len=32)
-    finally:
-        eng.close()
+    refused(d / "store", 50, 128, "less than one sequence of seq_len=128; give more text")
+    convert_model(tiny_moe("mixtral", num_hidden_layers=1), tmp_path / "one")
+    refused(tmp_path / "one", 300, 32, "1 MoE layer.*needs at least 2")
