@@ -440,3 +440,19 @@ def test_cuda_path_matches_cpu():
     assert kernel_compiled.failed() is None, kernel_compiled.failed()
     # Triton may contract/reorder float ops: a few codes may round the other way.
     _assert_same_update(opt_g, params_g, opt_c, params_c, max_code_mismatch=1e-2)
+
+
+def test_cpp_kernels_release_the_gil(main_thread_stall):
+    """The executor calls the update and the norm pass on its optimizer thread: holding the GIL
+    would stall the thread that launches the device's kernels for each layer's whole update."""
+    _cpp_or_skip()
+    p = torch.nn.Parameter(torch.randn(32 << 20) * 0.02)
+    p.grad = torch.randn(32 << 20) * 1e-3
+    opt = AdamW8bit([p], lr=1e-3, backend="cpp")
+    opt.step()
+    before = p.detach().clone()
+    stall, secs = main_thread_stall(lambda: opt.step_params([p]))
+    assert not torch.equal(p, before)
+    assert stall < 0.3 * secs, f"the main thread stalled {stall * 1e3:.0f} ms of a {secs * 1e3:.0f} ms update"
+    stall, secs = main_thread_stall(lambda: opt.grad_sq_sum([p]))
+    assert stall < 0.3 * secs, f"the main thread stalled {stall * 1e3:.0f} ms of a {secs * 1e3:.0f} ms norm pass"

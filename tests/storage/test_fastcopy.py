@@ -131,3 +131,15 @@ def test_build_dir_is_per_torch_and_python_version(monkeypatch, tmp_path):
     assert other_torch != here
     monkeypatch.setattr("lazytrain.cext._cpu_features", lambda: "fpu sse2")   # another CPU
     assert ext.build_dir() != other_torch
+
+
+def test_stream_copy_releases_the_gil(main_thread_stall):
+    """The copy runs on the streamer's I/O threads: holding the GIL would stall the thread that
+    launches the compute for the copy's whole length."""
+    _ext_or_skip()
+    src = torch.arange(256 << 17, dtype=torch.int64).view(torch.uint8)   # 256 MiB
+    dst = torch.empty_like(src)
+    mod = fastcopy._EXT.load()
+    stall, secs = main_thread_stall(lambda: mod.stream_copy(dst, src))
+    assert torch.equal(dst, src)
+    assert stall < 0.3 * secs, f"the main thread stalled {stall * 1e3:.0f} ms of a {secs * 1e3:.0f} ms copy"

@@ -79,5 +79,8 @@ void stream_copy(at::Tensor dst, const at::Tensor& src) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stream_copy", &stream_copy, "copy between CPU byte buffers with non-temporal stores");
+  // The GIL is released while copying (as torch's own ops do): the copy runs on an I/O thread, and
+  // holding it would stall the thread that launches the compute for the copy's whole length.
+  m.def("stream_copy", &stream_copy, "copy between CPU byte buffers with non-temporal stores",
+        py::call_guard<py::gil_scoped_release>());
 }
