@@ -28,6 +28,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..storage.filemode import share_like_umask
+
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 
@@ -352,6 +354,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")  # ranks may race
             save_file(data, str(tmp))
+            share_like_umask(tmp)   # safetensors writes its files 0600 (storage/filemode.py)
             tmp.replace(cache_path)
     tokens = data["tokens"]
     if tokens.numel() == 0:

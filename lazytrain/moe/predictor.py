@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..storage.filemode import share_like_umask
 from .arch import MoeLayer
 
 Prediction = list[tuple[int, list[int]]]   # (target MoE layer, experts), nearest layer first
@@ -88,6 +89,7 @@ class PredictorHeads(nn.Module):
         info = {"hidden_size": self.hidden_size, "experts": self.experts, "width": self.width, **(meta or {})}
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(p),
                   metadata={"lazytrain_predictor": json.dumps(info)})
+        share_like_umask(p)   # safetensors writes its files 0600 (see storage/filemode.py)
         return p
 
     @staticmethod

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..storage.aligned_io import ALIGN_BYTES, DirectFile, round_up
+from ..storage.filemode import share_like_umask
 from .arch import ExpertTensorSpec, MoeLayer
 
 FORMAT = "lazytrain-expert-store"
@@ -124,6 +125,7 @@ class StoreWriter:
 
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
                   str(self.dir / NON_EXPERT))
+        share_like_umask(self.dir / NON_EXPERT)   # safetensors writes 0600 (storage/filemode.py)
 
     def close(self) -> Path:
         (self.dir / "config.json").write_text(json.dumps(self.hf_config, indent=2, sort_keys=True))

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ..spec.tier import Tier
+from ..storage.filemode import new_file_mode
 from .plan import Plan
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class PlanCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         p = self.path(plan.input_hash)
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
+        os.fchmod(fd, new_file_mode())   # mkstemp's 0600 would hide a shared cache from the team
         with os.fdopen(fd, "w") as f:
             f.write(plan.to_json())
             f.flush()

@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..storage.aligned_io import DiskIOError
+from ..storage.filemode import share_like_umask
 
 LATEST = "latest"
 FILE_SUMS = "file_checksums"   # state.json: {file name: {"bytes": size, "crc32": crc}}
@@ -234,6 +235,7 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
             full = {**state, "step": step, "rng": rng_js, "world_size": world, FILE_SUMS: sums}
             full[STATE_SUM] = _state_crc(full)
             (tmp / "state.json").write_text(json.dumps(full, indent=1))
+            share_like_umask(tmp)   # safetensors writes its files 0600 (see storage/filemode.py)
             fsync_tree(tmp)
             if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
                 shutil.rmtree(final)

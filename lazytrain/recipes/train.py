@@ -31,6 +31,7 @@ from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import DiskIOError
+from ..storage.filemode import share_like_umask
 from ..storage.tiers import remove_dead_scratch
 from . import checkpoint as ckpt
 from .ds_settings import check_deepspeed_config, deepspeed_overrides
@@ -635,6 +636,7 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
         if not ranks.main:
             return
         tokenizer.save_pretrained(str(tmp))
+        share_like_umask(tmp)   # safetensors writes its files 0600 (see storage/filemode.py)
         ckpt.fsync_tree(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp, final_dir)

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -91,3 +92,22 @@ def test_missing_and_incomplete_store(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(StoreError, match="not an expert store"):
         ExpertStore(tmp_path / "half")
+
+
+def test_store_and_predictor_files_have_the_mode_open_gives(tiny_moe, tmp_path):
+    """safetensors writes 0600 whatever the umask (safetensors#782): a store or predictor made by
+    one user must be readable by the serving user the umask allows."""
+    from lazytrain.moe import convert_model
+    from lazytrain.moe.predictor import PredictorHeads
+
+    model = tiny_moe("mixtral")
+    old = os.umask(0o027)
+    try:
+        d = convert_model(model, tmp_path / "store")
+        p = PredictorHeads(model.config.hidden_size, [8] * 4).save(tmp_path / "p.safetensors")
+    finally:
+        os.umask(old)
+    files = [f for f in d.rglob("*") if f.is_file()] + [p]
+    assert any(f.suffix == ".safetensors" for f in files[:-1])
+    wrong = {f.name: oct(f.stat().st_mode & 0o777) for f in files if f.stat().st_mode & 0o777 != 0o640}
+    assert not wrong, wrong

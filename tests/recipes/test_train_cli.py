@@ -38,6 +38,28 @@ def test_hydra_run_writes_outputs(base_overrides, tmp_path, capsys):
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
 
 
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_every_file_a_run_writes_has_the_mode_open_gives(base_overrides, tmp_path, capsys, mode):
+    """safetensors writes its files 0600 whatever the umask (safetensors#782), and mkstemp does too:
+    checkpoints, the final model or adapter, the token cache and cached plans get the mode any
+    other file of the run gets (0o666 & ~umask), so another user or uid can load them."""
+    out = tmp_path / "run"
+    old = os.umask(0o027)
+    try:
+        rc, io = _main([*base_overrides, "engine=lazytrain", *SMALL_BUDGET, "job.max_steps=2",
+                        f"job.mode={mode}", "save_every=1", f"output_dir={out}"], capsys)
+    finally:
+        os.umask(old)
+    assert rc == 0, io.err
+    files = [p for root in (out, tmp_path / "solver_cache") for p in root.rglob("*") if p.is_file()]
+    kinds = {p.suffix for p in files}
+    assert {".safetensors", ".json"} <= kinds and list((out / "final").glob("*.safetensors"))
+    wrong = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files
+             if p.stat().st_mode & 0o777 != 0o640}
+    assert not wrong, wrong
+
+
 TIED = ["model.hf_config.tie_word_embeddings=true"]
 
 
