@@ -242,6 +242,13 @@ class LayerTrainState:
             return   # nothing moved (the plan counts no d2h either: plan.ops.grad_d2h_bytes)
         arrived = sum(g.nbytes for g in (*grads, *(shared or ())) if g is not None)   # what left the device
         acc = self._fresh("grad", self.grad_tier) if first else self._load("grad", self.grad_tier)
+        if first and shared is None and all(g is not None for g in grads):
+            # One call for the layer's tensors, not one per tensor: on a GPU this runs on the
+            # optimizer thread, which must win the GIL back from the launching thread after every
+            # torch call (the same copies, bit for bit)
+            torch._foreach_copy_([acc[o:o + n] for o, n in zip(self.layout.offsets, self.layout.numels)],
+                                 [g.reshape(-1) for g in grads])
+            grads = []
         for k, (g, o, n) in enumerate(zip(grads, self.layout.offsets, self.layout.numels)):
             dst = acc[o:o + n]
             x = shared[k] if shared is not None else None
@@ -259,8 +266,9 @@ class LayerTrainState:
         self.has_grad = True
         if last and self.track_norms:
             # Per-tensor norms, combined later exactly as torch.nn.utils.clip_grad_norm_ does.
-            self.norms = [torch.linalg.vector_norm(acc[o:o + n]) for o, n in
-                          zip(self.layout.offsets, self.layout.numels)]
+            # (_foreach_norm: one call; on host tensors it is vector_norm per tensor, bit for bit)
+            self.norms = list(torch._foreach_norm([acc[o:o + n] for o, n in
+                                                   zip(self.layout.offsets, self.layout.numels)]))
         self._save("grad", self.grad_tier, acc)
         self.trace.add("d2h", self.name, s, self.trace.now(), arrived, self.grad_tier, "grads")
 
