@@ -16,6 +16,7 @@ import heapq
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,7 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(num_slots - 1, -1, -1))
         self.pending: dict[Key, ReadRequest] = {}     # queued or reading
-        self.prefetched: set[Key] = set()             # loaded by prefetch, not yet demanded
+        self.prefetched: dict[Key, int] = {}          # loaded by prefetch, not yet demanded: deadline
         self.pinned: set[int] = set()
         self.verified: set[Key] = set()
         self.counters = MoeCounters()
@@ -86,8 +87,13 @@ class ExpertCache:
         self.io_workers = max(1, io_workers)
         self.read_s_ema = 0.0                          # seconds per expert read (for lookahead=auto)
         self._closed = False
-        self._threads = [threading.Thread(target=self._worker, name=f"lazytrain-moe-io{i}", daemon=True)
+        # The workers hold the cache weakly: one dropped without close() (an engine forgotten in a
+        # notebook) is collected, its pool freed, and the finalizer wakes them to exit.
+        ref = weakref.ref(self)
+        self._threads = [threading.Thread(target=_io_worker, args=(ref, self._wake),
+                                          name=f"lazytrain-moe-io{i}", daemon=True)
                          for i in range(max(1, io_workers))]
+        weakref.finalize(self, _wake_all, self._wake, len(self._threads))
         for t in self._threads:
             t.start()
 
@@ -106,13 +112,18 @@ class ExpertCache:
         return v
 
     # ---- slot allocation (forward thread only) ------------------------------------------------
-    def _evictable(self) -> list[Key]:
-        return [k for k, s in self.slot_of.items() if s not in self.pinned and k not in self.pending]
+    def _evictable(self, before: int | None = None) -> list[Key]:
+        """Keys whose slots may be reused; with `before` (a prefetch's deadline), not those
+        prefetched for that deadline or an earlier one: a prefetch must not evict one that is needed
+        sooner (served from the host tier, prefetches are instant and unbounded by queue_depth, and
+        with a tiny cache they evicted each other: hit rate 0.51 -> 0.23, measured)."""
+        return [k for k, s in self.slot_of.items() if s not in self.pinned and k not in self.pending
+                and (before is None or self.prefetched.get(k, before + 1) > before)]
 
-    def _alloc(self, now: int, keep: Key | None = None) -> int | None:
+    def _alloc(self, now: int, keep: Key | None = None, before: int | None = None) -> int | None:
         if self.free:
             return self.free.pop()
-        cand = self._evictable()
+        cand = self._evictable(before)
         if not cand:
             return None
         victim = self.policy.victim(cand, now)
@@ -121,7 +132,7 @@ class ExpertCache:
             # Evictable means not pending: the slot holds the complete record, so it can spill.
             self.host.put(victim, self.pool[slot], now, keep=keep)
         self.policy.forget(victim)
-        self.prefetched.discard(victim)
+        self.prefetched.pop(victim, None)
         return slot
 
     def _enqueue(self, key: Key, slot: int, deadline: int, prefetch: bool) -> ReadRequest:
@@ -159,7 +170,7 @@ class ExpertCache:
     def _release(self, key: Key) -> None:
         slot = self.slot_of.pop(key, None)
         self.pending.pop(key, None)
-        self.prefetched.discard(key)
+        self.prefetched.pop(key, None)
         if slot is not None:
             self.free.append(slot)
 
@@ -203,7 +214,7 @@ class ExpertCache:
                     c.hits += 1
                 if key in self.prefetched:
                     c.prefetch_used += 1
-                    self.prefetched.discard(key)
+                    self.prefetched.pop(key)
             else:
                 c.misses += 1
                 in_host = self.host is not None and key in self.host
@@ -285,7 +296,7 @@ class ExpertCache:
             if not in_host and len(self.pending) >= self.queue_depth:   # the bound is on disk reads
                 c.prefetch_dropped += 1
                 continue
-            slot = self._alloc(now, keep=key if in_host else None)
+            slot = self._alloc(now, keep=key if in_host else None, before=deadline)
             if slot is None:
                 c.prefetch_dropped += 1
                 continue
@@ -293,56 +304,48 @@ class ExpertCache:
                 c.host_prefetches += 1           # served from host RAM at once, no disk read
             else:
                 self._enqueue(key, slot, deadline, prefetch=True)
-            self.prefetched.add(key)
+            self.prefetched[key] = deadline
             self.policy.touch(key, now)
             c.prefetch_issued += 1
 
 
     # ---- I/O threads --------------------------------------------------------------------------
-    def _worker(self) -> None:
-        staging = None
-        stream = None
-        if self.device.type == "cuda":
-            staging = aligned_empty(self.slot_bytes, pin=True)
-            stream = torch.cuda.Stream(self.device)
-        while True:
-            self._wake.get()                     # one token per heap push
-            if self._closed:
-                return
-            try:
-                _, _, req = heapq.heappop(self._heap)
-            except IndexError:
-                continue
-            if req.state != "queued":            # stale duplicate of a promoted request
-                continue
-            if req.cancelled:                    # the forward no longer wants it: skip the read
-                req.state = "skipped"
-                req.event.set()
-                continue
-            req.state = "reading"
-            try:
-                layer, expert = req.key
-                buf = staging if staging is not None else self.pool[req.slot]
-                t0 = time.perf_counter()
-                n = self.store.read_into(layer, expert, buf)
-                dt = time.perf_counter() - t0
-                self.read_s_ema = dt if self.read_s_ema == 0 else 0.9 * self.read_s_ema + 0.1 * dt
-                if self.verify == "always" or (self.verify == "first" and req.key not in self.verified):
-                    self.store.verify(layer, expert, buf)
-                    self.verified.add(req.key)
-                if staging is not None:
-                    # Copy on a side stream and wait for it here, so the event means "on device".
-                    with torch.cuda.stream(stream):
-                        self.pool[req.slot].copy_(staging, non_blocking=True)
-                    stream.synchronize()
-                self.counters.bytes_read += n
-                self.counters.reads += 1
-                req.state = "done"
-            except (OSError, StoreError) as e:
-                req.error, req.state = e, "failed"
-            except BaseException as e:  # never leave the forward waiting forever
-                req.error, req.state = e, "failed"
+    def _serve_one(self, staging: torch.Tensor | None, stream) -> None:
+        """One wake-up of an I/O worker: the most urgent queued request, if any."""
+        try:
+            _, _, req = heapq.heappop(self._heap)
+        except IndexError:
+            return
+        if req.state != "queued":                # stale duplicate of a promoted request
+            return
+        if req.cancelled:                        # the forward no longer wants it: skip the read
+            req.state = "skipped"
             req.event.set()
+            return
+        req.state = "reading"
+        try:
+            layer, expert = req.key
+            buf = staging if staging is not None else self.pool[req.slot]
+            t0 = time.perf_counter()
+            n = self.store.read_into(layer, expert, buf)
+            dt = time.perf_counter() - t0
+            self.read_s_ema = dt if self.read_s_ema == 0 else 0.9 * self.read_s_ema + 0.1 * dt
+            if self.verify == "always" or (self.verify == "first" and req.key not in self.verified):
+                self.store.verify(layer, expert, buf)
+                self.verified.add(req.key)
+            if staging is not None:
+                # Copy on a side stream and wait for it here, so the event means "on device".
+                with torch.cuda.stream(stream):
+                    self.pool[req.slot].copy_(staging, non_blocking=True)
+                stream.synchronize()
+            self.counters.bytes_read += n
+            self.counters.reads += 1
+            req.state = "done"
+        except (OSError, StoreError) as e:
+            req.error, req.state = e, "failed"
+        except BaseException as e:  # never leave the forward waiting forever
+            req.error, req.state = e, "failed"
+        req.event.set()
 
     def close(self) -> None:
         self._closed = True
@@ -350,3 +353,28 @@ class ExpertCache:
             self._wake.put(False)
         for t in self._threads:
             t.join(timeout=5)
+
+
+def _io_worker(ref: "weakref.ReferenceType[ExpertCache]", wake) -> None:
+    """An I/O thread of `ref`'s cache. It holds the cache only while serving a wake-up (one token
+    per queued read, False to stop), so a cache nobody references any more is collected."""
+    cache = ref()
+    if cache is None:
+        return
+    staging = stream = None
+    if cache.device.type == "cuda":
+        staging = aligned_empty(cache.slot_bytes, pin=True)
+        stream = torch.cuda.Stream(cache.device)
+    del cache
+    while True:
+        token = wake.get()
+        cache = ref()
+        if cache is None or cache._closed or token is False:
+            return
+        cache._serve_one(staging, stream)
+        del cache
+
+
+def _wake_all(wake, n: int) -> None:
+    for _ in range(n):
+        wake.put(False)

@@ -18,12 +18,10 @@ import torch
 from torch import nn
 
 from .arch import MoeLayer, build_meta_model, find_moe_layers
-from .store import StoreError, StoreWriter
+from .store import COPIED_FILES, StoreError, StoreWriter
 
 # Per-expert projection names -> role; gate and up are concatenated [gate; up] like transformers does.
 _GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
 
 def _expert_param_set(layers: list[MoeLayer]) -> set[str]:
@@ -53,7 +51,7 @@ def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Pa
 def _copy_tokenizer(src: str | Path | None, dst: Path) -> None:
     if src is None:
         return
-    for name in TOKENIZER_FILES:
+    for name in COPIED_FILES:
         p = Path(src) / name
         if p.is_file():
             shutil.copy2(p, dst / name)

@@ -91,7 +91,8 @@ class StreamedMoE:
                          is_transposed=experts.is_transposed,
                          has_post_expert_norm=getattr(experts, "has_post_expert_norm", False),
                          post_expert_norm=getattr(experts, "post_expert_norm", None),
-                         _is_expert_parallel=False, act_fn=experts.act_fn, _apply_gate=experts._apply_gate,
+                         _is_expert_parallel=False, act_fn=getattr(experts, "act_fn", None),
+                         _apply_gate=experts._apply_gate,
                          config=experts.config, training=False)
             self._proxies[layer] = flags
         idx = torch.tensor(slots, dtype=torch.long, device=self.cache.pool.device)
@@ -111,6 +112,22 @@ class StreamedMoE:
             self.record.append((l, tuple(ids)))
         if self.record_hidden is not None:
             self.record_hidden.append((l, x.detach().float().clone(), top_k_index.clone()))
+        try:
+            proxy = self._routed(experts, x, l, ids, top_k_index, step, c)
+        finally:
+            # Pins last until the gathered copy is ours, and never past this layer: an error in a
+            # read or a wait (a transient EIO, Ctrl-C in a stall) must not leave slots pinned, or
+            # every later call would find the cache "too small"
+            self.cache.unpin()
+        # Routed expert ids -> 0..n-1 (ids are sorted, so group order matches the all-resident kernel).
+        lut = torch.zeros(self.layers[l].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
+        lut[ids] = torch.arange(len(ids), dtype=top_k_index.dtype, device=lut.device)
+        return self._base(proxy, x, lut[top_k_index], top_k_weights)
+
+    def _routed(self, experts: nn.Module, x: torch.Tensor, l: int, ids: list[int], top_k_index: torch.Tensor,
+                step: int, c) -> SimpleNamespace:
+        """Pin and load layer `l`'s routed experts `ids` (prefetching ahead meanwhile) and gather
+        them into the proxy the kernel runs with."""
         waits = self.cache.acquire(l, ids, step, c)
         if self.auto_lookahead and x.shape[0] == 1:
             self._tune_lookahead()
@@ -127,14 +144,7 @@ class StreamedMoE:
         self.cache.wait(waits, c)
         if isinstance(self.cache.policy, Forecast):
             self.cache.policy.observe_layer(l, ids, self.layers[l].num_experts)
-        # Routed expert ids -> 0..n-1 (ids are sorted, so group order matches the all-resident kernel).
-        lut = torch.zeros(self.layers[l].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
-        lut[ids] = torch.arange(len(ids), dtype=top_k_index.dtype, device=lut.device)
-        try:
-            proxy = self._proxy(experts, l, self.cache.slots(l, ids))
-        finally:
-            self.cache.unpin()       # the gathered copy is ours: the slots may be reused from here on
-        return self._base(proxy, x, lut[top_k_index], top_k_weights)
+        return self._proxy(experts, l, self.cache.slots(l, ids))
 
     def _tune_lookahead(self) -> None:
         """Look as many layers ahead as one layer's reads take layers of compute (SeqMoE: one layer's
@@ -322,7 +332,11 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         except SafetensorError as e:
             raise StoreError(f"{store.non_expert_path}: not a readable safetensors file ({e}); "
                              "reconvert") from None
-        dtype = next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
+        # The experts' dtype is the model's: the first floating tensor of the file may be one HF
+        # keeps in fp32 in a bf16 checkpoint (glm4_moe, dots1, ernie4_5_moe keep their router
+        # weights so; safetensors orders tensors by dtype). assign=True below keeps those as saved.
+        dtype = getattr(torch, store.layers[0].tensors[0].dtype) if store.layers else \
+            next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
         model = model.to(dtype)
         layers = find_moe_layers(model)
         store.check_model(layers)

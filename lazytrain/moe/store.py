@@ -5,7 +5,11 @@ Layout of a store directory::
     index.json              format, version, per-layer files, tensor offsets inside a record, crc32s
     experts-L000.bin ...    one file per MoE layer; expert e at offset e * record_bytes
     non_expert.safetensors  every other weight, under the in-memory (transformers 5) names
-    config.json             the HF config; tokenizer files copied alongside when the source had them
+    config.json             the HF config; tokenizer files and generation_config.json copied
+                            alongside when the source had them (COPIED_FILES)
+
+Converting into a directory first removes every file a store owns there (a previous store's
+experts, tokenizer or generation config must not outlive it), and nothing else.
 
 One record holds all tensors of one expert (e.g. gate_up [2I, H] then down [H, I]), each starting on
 a 4096-byte boundary, so one O_DIRECT read moves one expert into one cache slot (the
@@ -30,6 +34,8 @@ FORMAT = "lazytrain-expert-store"
 VERSION = 1
 INDEX = "index.json"
 NON_EXPERT = "non_expert.safetensors"
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
 
 class StoreError(ValueError):
@@ -92,14 +98,26 @@ def pack_expert(tensors: dict[str, torch.Tensor], specs: tuple[ExpertTensorSpec,
     return bytes(buf)
 
 
+def _holds_a_store(d: Path) -> bool:
+    """A store, or what an interrupted conversion left of one."""
+    return (d / INDEX).is_file() or (d / NON_EXPERT).is_file() or any(d.glob("experts-L*.bin"))
+
+
 class StoreWriter:
     """Writes a store layer by layer; `close()` writes index.json last (a store without one is
     incomplete and refused)."""
 
     def __init__(self, out_dir: str | os.PathLike, hf_config: dict) -> None:
         self.dir = Path(out_dir)
+        if self.dir.is_dir() and any(self.dir.iterdir()) and not _holds_a_store(self.dir):
+            raise StoreError(f"{self.dir} holds other files and no expert store; convert into a new "
+                             "or empty directory (converting replaces a store's files there)")
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / INDEX).unlink(missing_ok=True)
+        (self.dir / INDEX).unlink(missing_ok=True)   # first: the dir is an incomplete store from here
+        for name in (NON_EXPERT, "config.json", *COPIED_FILES):
+            (self.dir / name).unlink(missing_ok=True)
+        for f in self.dir.glob("experts-L*.bin"):
+            f.unlink()
         self.hf_config = hf_config
         self.layers: list[LayerRecord] = []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,8 +75,14 @@ class DirectFile:
             except OSError as e:
                 raise DiskIOError(e.errno, f"open {self.path} ({mode}): {e.strerror}") from e
         self.fd = fd
+        # closed with the object if nobody calls close() (an engine dropped without it)
+        self._closer = weakref.finalize(self, os.close, fd)
         if size_bytes is not None and mode != "r":
-            os.ftruncate(fd, size_bytes)
+            try:
+                os.ftruncate(fd, size_bytes)
+            except OSError as e:
+                self.close()
+                raise DiskIOError(e.errno, f"size {self.path} to {size_bytes} bytes: {e.strerror}") from e
 
     def _check(self, buf: torch.Tensor, offset: int) -> None:
         if not buf.is_contiguous() or buf.device.type != "cpu":
@@ -119,8 +126,8 @@ class DirectFile:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
             self.fd = -1
+            self._closer()   # os.close, once
 
     def __enter__(self) -> "DirectFile":
         return self

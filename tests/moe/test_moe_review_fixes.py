@@ -263,3 +263,136 @@ def test_train_predictor_says_what_to_do(mixtral_store, tiny_moe, tmp_path):
     refused(d / "store", 50, 128, "less than one sequence of seq_len=128; give more text")
     convert_model(tiny_moe("mixtral", num_hidden_layers=1), tmp_path / "one")
     refused(tmp_path / "one", 300, 32, "1 MoE layer.*needs at least 2")
+
+
+# ---- review of 2026-11-30 (evening) -----------------------------------------------------------------
+def test_reconverting_into_a_store_leaves_nothing_of_the_old_one(tiny_moe, tmp_path):
+    """A's generation config (repetition penalty) and its extra layer's experts file must not
+    outlive it when B, with fewer layers and no generation_config.json, is converted into the
+    same dir: streamed B equals plain B. A dir holding other files is refused, untouched."""
+    import os
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    a = tiny_moe("mixtral", seed=1)
+    a.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, repetition_penalty=1.5)
+    a.save_pretrained(tmp_path / "A")
+    b = tiny_moe("mixtral", seed=0, num_hidden_layers=3)
+    b.save_pretrained(tmp_path / "B")
+    os.remove(tmp_path / "B" / "generation_config.json")
+    store = tmp_path / "store"
+    convert_checkpoint(tmp_path / "A", store)
+    assert (store / "generation_config.json").is_file() and (store / "experts-L003.bin").is_file()
+    convert_checkpoint(tmp_path / "B", store)
+    assert not (store / "generation_config.json").exists() and not (store / "experts-L003.bin").exists()
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "B").eval()
+    assert generate(store, prompt_ids=PROMPT, max_new_tokens=16).token_ids == _greedy(ref, PROMPT, 16)
+
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(Exception, match="holds other files and no expert store"):
+        convert_checkpoint(tmp_path / "B", other)
+    with pytest.raises(Exception, match="holds other files and no expert store"):
+        convert_checkpoint(tmp_path / "B", tmp_path / "B")       # out= the model's own dir
+    assert (other / "config.json").read_text() == "{}" and (tmp_path / "B" / "config.json").is_file()
+
+
+def test_a_failed_expert_read_leaves_no_slot_pinned(tiny_moe, tmp_path, monkeypatch):
+    """A transient read error fails that call only: the next one (with the minimum cache, one
+    layer's experts) runs and is exact, instead of 'no free expert slot ... raise moe.cache_slots'."""
+    model = tiny_moe("mixtral")
+    convert_model(model, tmp_path / "s")
+    real = ExpertStore.read_into
+    fail = {"n": 1}
+
+    def flaky(self, layer, expert, buf):
+        if layer == 1 and fail["n"] > 0:
+            fail["n"] -= 1
+            raise OSError(5, "Input/output error (simulated)")
+        return real(self, layer, expert, buf)
+
+    monkeypatch.setattr(ExpertStore, "read_into", flaky)
+    eng = load_streamed(tmp_path / "s", cache_slots=8, prefetch="none")
+    try:
+        p = torch.tensor([PROMPT])
+        with pytest.raises(OSError, match="simulated"):
+            eng.generate(p, 4)
+        assert not eng.cache.pinned
+        want = model.generate(p, max_new_tokens=4, do_sample=False).tolist()
+        assert eng.generate(p, 4).tolist() == want
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "ernie4_5_moe"])
+def test_bf16_checkpoint_with_fp32_router_streams_exactly(family, tmp_path):
+    """bf16 checkpoints of models HF keeps routers of in fp32 (_keep_in_fp32_modules_strict) hold
+    F32 tensors before BF16 ones: the store is bf16 and the router stays fp32, as from_pretrained."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = AutoConfig.for_model(family)
+    over = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                n_routed_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_k=2,
+                max_position_embeddings=256, first_k_dense_replace=1, n_group=1, topk_group=1,
+                n_shared_experts=1, moe_layer_start_index=1)
+    cfg = AutoConfig.for_model(family, **{k: v for k, v in over.items() if hasattr(base, k)})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16", "F32"}
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    convert_checkpoint(tmp_path / "hf", tmp_path / "s")
+    eng = load_streamed(tmp_path / "s", cache_fraction=0.5)
+    try:
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            assert torch.equal(eng.model(ids).logits, ref(ids).logits)
+    finally:
+        eng.close()
+
+
+def test_gpt_oss_streams_exactly(tmp_path):
+    """Experts modules without an act_fn (gpt_oss computes its own activation) stream too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                               num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    convert_model(model, tmp_path / "s")
+    eng = load_streamed(tmp_path / "s", cache_fraction=0.5)
+    try:
+        ids = torch.tensor([PROMPT])
+        assert eng.generate(ids, 6).tolist() == model.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+    finally:
+        eng.close()
+
+
+def test_an_engine_dropped_without_close_frees_threads_pool_and_files(tiny_moe, tmp_path):
+    import gc
+    import os
+    import weakref
+
+    convert_model(tiny_moe("mixtral"), tmp_path / "s")
+    threads0 = _io_threads()
+    refs = []
+    for _ in range(3):
+        eng = load_streamed(tmp_path / "s", cache_fraction=1.0)
+        eng.generate(torch.tensor([[1, 2, 3]]), 2)
+        refs.append(weakref.ref(eng.cache))
+        del eng
+    gc.collect()
+    assert all(r() is None for r in refs)
+    for _ in range(100):   # the woken workers exit
+        if _io_threads() == threads0:
+            break
+        threading.Event().wait(0.02)
+    assert _io_threads() == threads0
+    fds = [os.path.realpath(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")] \
+        if os.path.isdir("/proc/self/fd") else []
+    assert not [f for f in fds if f.startswith(str(tmp_path))]
