@@ -108,9 +108,15 @@ class PredictorHeads(nn.Module):
             raise ValueError(f"predictor {p} is not a readable safetensors file ({e}); retrain it") from None
         if raw is None:
             raise ValueError(f"{p} is not a lazytrain routing predictor (no metadata)")
-        info = json.loads(raw)
-        heads = PredictorHeads(info["hidden_size"], info["experts"], info["width"])
-        heads.load_state_dict(tensors)
+        try:
+            info = json.loads(raw)
+            heads = PredictorHeads(info["hidden_size"], info["experts"], info["width"])
+            heads.load_state_dict(tensors)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            # metadata that does not parse or does not match the tensors (load_state_dict's size
+            # mismatches are RuntimeErrors): a damaged or hand-edited file, one line, not a traceback
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"predictor {p} is damaged ({detail[:200]}); retrain it") from None
         return heads.eval()
 
 

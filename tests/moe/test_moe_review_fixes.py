@@ -396,3 +396,21 @@ def test_an_engine_dropped_without_close_frees_threads_pool_and_files(tiny_moe, 
     fds = [os.path.realpath(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")] \
         if os.path.isdir("/proc/self/fd") else []
     assert not [f for f in fds if f.startswith(str(tmp_path))]
+
+
+def test_a_predictor_whose_metadata_disagrees_with_its_tensors_is_one_clear_error(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = PredictorHeads(64, [8] * 4).save(tmp_path / "p.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    info = json.loads(meta["lazytrain_predictor"])
+    save_file(tensors, str(path), metadata={"lazytrain_predictor": json.dumps(dict(info, width=64))})
+    with pytest.raises(ValueError, match="is damaged .*retrain it"):
+        PredictorHeads.load(path)
+    save_file(tensors, str(path), metadata={"lazytrain_predictor": "{not json"})
+    with pytest.raises(ValueError, match="is damaged"):
+        PredictorHeads.load(path)
