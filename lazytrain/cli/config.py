@@ -92,4 +92,7 @@ def job_spec(cfg: DictConfig) -> JobSpec:
 
 
 def planner_options(cfg: DictConfig) -> PlannerOptions:
-    return PlannerOptions.from_dict(OmegaConf.to_container(cfg.planner, resolve=True))
+    try:
+        return PlannerOptions.from_dict(OmegaConf.to_container(cfg.planner, resolve=True))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"planner: {e}") from None

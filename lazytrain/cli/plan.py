@@ -39,6 +39,9 @@ def _pop_flag(args: list[str], flag: str) -> str | None:
 
 
 def _inputs(overrides: list[str]):
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:   # left over after the subcommand took its own: a typo (Hydra's lexer error otherwise)
+        raise ConfigError(f"unknown option {flags[0]!r} (see `lazytrain plan --help`)")
     cfg = load_config(overrides)
     cache_dir = Path(str(cfg.planner.cache_dir))
     if not cache_dir.is_absolute():

@@ -36,6 +36,33 @@ class PlannerOptions:
     mip_gap: float = 0.01
     allow_nvme: bool = True
 
+    SOLVERS = ("auto", "highs", "cbc")
+
+    def __post_init__(self) -> None:
+        """Refuse settings the solver would silently replace or misread (an unknown solver name
+        fell back to CBC; a negative gap or limit, zero segments or buffers, 'maybe' for a bool)."""
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        bad = []
+        if self.solver not in self.SOLVERS:
+            bad.append(f"solver={self.solver!r} (valid: {', '.join(self.SOLVERS)})")
+        if not (whole(self.max_segment_len) and self.max_segment_len >= 1):
+            bad.append(f"max_segment_len={self.max_segment_len!r} (an int >= 1)")
+        if not (whole(self.prefetch_depth) and self.prefetch_depth >= 1):
+            bad.append(f"prefetch_depth={self.prefetch_depth!r} (an int >= 1)")
+        if not (number(self.time_limit_s) and self.time_limit_s > 0):
+            bad.append(f"time_limit_s={self.time_limit_s!r} (seconds > 0)")
+        if not (number(self.mip_gap) and 0 <= self.mip_gap < 1):
+            bad.append(f"mip_gap={self.mip_gap!r} (a fraction in [0, 1))")
+        if not isinstance(self.allow_nvme, bool):
+            bad.append(f"allow_nvme={self.allow_nvme!r} (true or false)")
+        if bad:
+            raise ValueError("invalid " + "; ".join(bad))
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PlannerOptions":
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})

@@ -31,6 +31,10 @@ class JobSpec:
                                         # model's own loss
 
     def __post_init__(self) -> None:
+        for k in ("batch_size", "seq_len", "grad_accum", "lora_rank", "optimizer_state_bits", "loss_chunk_tokens"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool):   # "abc" failed a comparison, 1.5 planned
+                raise ValueError(f"job.{k} must be an integer, got {v!r}")
         if self.mode not in ("full", "lora"):
             raise ValueError(f"job.mode must be 'full' or 'lora', got {self.mode!r}")
         if self.optimizer_state_bits not in (8, 32):

@@ -161,3 +161,31 @@ def test_off_device_infeasibility_names_what_is_short(small):
     no_nvme = replace(h, nvme_capacity_gib=0.0, host_memory_gib=h.host_reserve_gib + floor * 1.02 / GiB)
     text = " ".join(plan_job(model, no_nvme, job, cache_dir=None).explanation)
     assert "together hold less than the ~" in text, text
+
+
+@pytest.mark.parametrize("setting,says", [
+    ("planner.solver=gurobi", "solver='gurobi' (valid: auto, highs, cbc)"),   # fell back to CBC silently
+    ("planner.max_segment_len=0", "max_segment_len=0"),
+    ("planner.prefetch_depth=0", "prefetch_depth=0"),
+    ("planner.mip_gap=-1", "mip_gap=-1"),
+    ("planner.time_limit_s=-1", "time_limit_s=-1"),
+    ("planner.allow_nvme=maybe", "allow_nvme='maybe'"),
+])
+def test_bad_planner_settings_are_one_line_exit_2(setting, says, tmp_path, capsys):
+    rc = cli_main(["plan", "model=tiny-llama", f"planner.cache_dir={tmp_path}", setting])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())   # nothing planned, nothing cached
+
+
+@pytest.mark.parametrize("args,says", [
+    (["job.seq_len=abc"], "job.seq_len must be an integer, got 'abc'"),   # was: '<' not supported ...
+    (["job.batch_size=1.5"], "job.batch_size must be an integer, got 1.5"),   # was planned, 384.0 tokens
+    (["--jsn", "p.json"], "unknown option '--jsn'"),                     # was: LexerNoViableAltException
+    (["compare", "--jsn", "p.json"], "unknown option '--jsn'"),
+])
+def test_mistyped_values_and_options_are_one_line_exit_2(args, says, tmp_path, capsys):
+    sub, rest = (args[:1], args[1:]) if args[0] == "compare" else ([], args)
+    rc = cli_main(["plan", *sub, "model=tiny-llama", f"planner.cache_dir={tmp_path}", *rest])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err, err
