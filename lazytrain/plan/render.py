@@ -28,6 +28,9 @@ def _groups(plan: Plan) -> list[tuple[str, int, tuple]]:
 
 def optimizer_state_label(job) -> str:
     """What the optimizer keeps per trained parameter, in words."""
+    if job.mode == "lora":   # adapters (a few MiB) take fused fp32 AdamW whatever the bits say
+        return "LoRA adapters: fp32 AdamW" + (" (optimizer_state_bits=8 applies to full fine-tuning only)"
+                                              if job.optimizer_state_bits == 8 else "")
     if job.optimizer_state_bits == 8:
         return "fp32 master + 8-bit moments"
     if job.master_dtype == "bf16":

@@ -70,16 +70,20 @@ def test_fallback_plan_says_so_and_is_not_cached(make_llama, make_hw, tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
-@pytest.mark.parametrize("bits,master,label", [(32, "fp32", "fp32 master + moments"),
-                                               (8, "fp32", "fp32 master + 8-bit moments"),
-                                               (32, "bf16", "bf16 moments, no master: pure bf16")])
-def test_optimizer_state_is_named_as_the_job_keeps_it(small, bits, master, label):
+@pytest.mark.parametrize("mode,bits,master,label", [
+    ("full", 32, "fp32", "fp32 master + moments"),
+    ("full", 8, "fp32", "fp32 master + 8-bit moments"),
+    ("full", 32, "bf16", "bf16 moments, no master: pure bf16"),
+    # adapters take fp32 AdamW whatever the bits say (the header claimed 8-bit moments)
+    ("lora", 8, "fp32", "LoRA adapters: fp32 AdamW (optimizer_state_bits=8 applies to full fine-tuning only)")])
+def test_optimizer_state_is_named_as_the_job_keeps_it(small, mode, bits, master, label):
     model, h, job = small
-    job = replace(job, mode="full", optimizer_state_bits=bits, master_dtype=master)
+    job = replace(job, mode=mode, optimizer_state_bits=bits, master_dtype=master)
     plan = plan_job(model, h, job, cache_dir=None)
     assert f"optimizer state {label}" in summary_lines(plan)[1]
     assert not any(line.startswith("note") for line in summary_lines(plan))   # (solved, no fallback)
-    assert any(line.startswith(f"optimizer state ({label})") for line in plan.explanation)
+    # (the explanation's per-tier line is for trained base weights: full fine-tuning)
+    assert any(line.startswith(f"optimizer state ({label})") for line in plan.explanation) == (mode == "full")
 
 
 def test_segments_are_named_like_the_rows(small):
