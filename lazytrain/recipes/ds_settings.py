@@ -89,14 +89,16 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
     bad = [f"{key} ({where})" for key, where in DS_JOB_KEYS.items() if key in over]
     if isinstance(over.get("fp16"), dict) and "enabled" in over["fp16"]:
         bad.append("fp16.enabled (job.compute_dtype; its loss-scale settings are yours to set)")
+    problems = []
     if bad:
-        raise ConfigError(f"deepspeed: {', '.join(bad)} come(s) from lazytrain's own settings (the same "
-                          f"job on every engine); set them there and remove them from the DeepSpeed settings")
+        problems.append(f"{', '.join(bad)} come(s) from lazytrain's own settings (the same job on every "
+                        f"engine); set them there and remove them from the DeepSpeed settings")
     zero = over.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage", 3) != 3:
-        raise ConfigError(f"deepspeed: zero_optimization.stage={zero['stage']}: lazytrain runs DeepSpeed "
-                          f"with ZeRO stage 3 (its checkpoint, resume and final-model paths are built "
-                          f"and tested for it)")
+        problems.append(f"zero_optimization.stage={zero['stage']}: lazytrain runs DeepSpeed with ZeRO "
+                        f"stage 3 (its checkpoint, resume and final-model paths are built and tested for it)")
+    if problems:   # all at once: a user should not find the next one on the next try
+        raise ConfigError("deepspeed: " + "; and ".join(problems))
     return over
 
 

@@ -40,6 +40,15 @@ def test_settings_that_change_the_job_are_refused(ov, match):
         deepspeed_overrides(_cfg(*ov))
 
 
+def test_every_refused_setting_is_named_in_one_error():
+    """Batch size, clipping and a ZeRO stage together: one error names all three (the stage used
+    to come only on the next try)."""
+    with pytest.raises(ConfigError) as e:
+        deepspeed_overrides(_cfg("engine=deepspeed", "+deepspeed.train_micro_batch_size_per_gpu=4",
+                                 "+deepspeed.gradient_clipping=0.5", "+deepspeed.zero_optimization.stage=2"))
+    assert all(s in str(e.value) for s in ("job.batch_size", "optim.max_grad_norm", "ZeRO stage 3"))
+
+
 def test_hf_trainer_style_file_keeps_the_plans_values(tmp_path):
     """A Hugging Face Trainer DeepSpeed file: "auto" means "from the trainer", here the plan's or
     the job's value (dropped, not passed on for DeepSpeed to replace with its defaults); what it
