@@ -65,12 +65,38 @@ _CACHES = ("_tables", "_compiled_tables", "_owner")
 _f32 = kernel_torch.f32
 
 
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """Dims of `t` from the largest stride to the smallest when that order is dense (contiguous
+    after the permute: channels-last weights, transposed views); None when `t` overlaps or has gaps."""
+    if t.is_contiguous():
+        return tuple(range(t.dim()))
+    perm = tuple(sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _flat(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """`t` as one flat tensor in the memory order of `like` (default: its own): a view of the
+    parameter (the kernels update its storage in place), a copy only for a gradient laid out
+    differently from its parameter. The update is elementwise, so any order serves, as long as
+    parameter, gradient and states agree on it."""
+    ref = t if like is None else like
+    perm = _memory_order(ref)
+    if perm is None:
+        raise ValueError(
+            f"AdamW8bit: parameter of shape {tuple(ref.shape)} and strides {ref.stride()} is not "
+            "dense (it overlaps or has gaps); the fused kernel updates flat storage"
+        )
+    x = t.permute(perm)
+    return x.view(-1) if x.is_contiguous() else x.reshape(-1)
+
+
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with blockwise 8-bit m and v.
 
     Args:
         params: parameters or param-group dicts (fp32 or bf16; bf16 ones get an fp32 master).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; per group.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults, weight_decay 1e-2);
+            per group.
         max_grad_norm: clip the global L2 norm of all gradients to this value (scale folded into the
             update pass); a non-finite norm skips the step and increments ``skipped_steps``. Pass
             ``math.inf`` to get the skip-on-non-finite check without clipping.
@@ -87,7 +113,7 @@ class AdamW8bit(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         max_grad_norm: float | None = None,
         block_size: int = 256,
@@ -225,15 +251,10 @@ class AdamW8bit(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return state
-        if not p.is_contiguous():
-            raise ValueError(
-                f"AdamW8bit: parameter of shape {tuple(p.shape)} is not contiguous; the fused "
-                "kernel updates flat storage (call .contiguous() on the module's parameters)"
-            )
         numel = p.numel()
         state["step"] = 0
         if p.dtype != torch.float32:
-            state["master"] = p.detach().reshape(-1).float().clone()
+            state["master"] = _flat(p.detach()).float().clone()
         if numel >= self.min_8bit_numel:
             nblocks = (numel + self.block_size - 1) // self.block_size
             state["qm"] = torch.zeros(numel, dtype=torch.uint8, device=p.device)  # code 0 is 0.0
@@ -267,6 +288,7 @@ class AdamW8bit(torch.optim.Optimizer):
             memo[key] = row
         return row
 
+    @torch.compiler.disable   # eager: Dynamo recursed without end tracing the float32 rounding
     @torch.no_grad()
     def step_params(self, params: Iterable[torch.Tensor], clip_scale: float | None = 1.0) -> None:
         """Update only ``params`` (all must belong to this optimizer; those without grad are skipped).
@@ -289,26 +311,38 @@ class AdamW8bit(torch.optim.Optimizer):
         # first, in a temporary (rare: only such spikes pay the extra pass).
         prescale = 0.0 < clip < PRESCALE_CLIP_BELOW
         work: dict[tuple[torch.device, bool], list] = defaultdict(list)
+        seen: set[int] = set()
+        checked: set[int] = set()
+        # Everything is checked before any step count moves: an error leaves the optimizer as it
+        # was (a retried step would otherwise bias-correct for a step its moments never saw).
         for p, group in pairs:
-            if p.grad is None:
-                continue
-            state = self._init_state(p)
+            if p.grad is None or id(p) in seen:
+                continue   # a parameter listed twice is updated once (torch warns, then updates it twice)
+            seen.add(id(p))
+            if id(group) not in checked:   # options set on a group after it was added (maximize, ...)
+                self._check_group(group)
+                checked.add(id(group))
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamW8bit does not support sparse gradients; consider torch.optim.SparseAdam")
             if p.grad.shape != p.shape:
                 raise ValueError(f"AdamW8bit: grad shape {tuple(p.grad.shape)} != param {tuple(p.shape)}")
-            state["step"] += 1
-            grad = p.grad.reshape(-1)
+            state = self._init_state(p)   # (a non-dense parameter raises a clear error here)
+            grad = _flat(p.grad, like=p)
             if grad.dtype not in _SUPPORTED_PARAM_DTYPES or prescale:
                 grad = grad.float()
             if prescale:
                 grad = grad * clip   # (a new tensor: p.grad is left as it was)
             work[(p.device, "qm" in state)].append((p, grad.contiguous(), state, group))
+        for items in work.values():
+            for _, _, state, _ in items:
+                state["step"] += 1
         for (device, is8bit), items in work.items():
             self._update(device, is8bit, items, 1.0 if prescale else clip)
 
     def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> None:
-        weights = [s["master"] if "master" in s else p.view(-1) for p, _, s, _ in items]
+        weights = [s["master"] if "master" in s else _flat(p) for p, _, s, _ in items]
         none = torch.empty(0)
-        bf16_out = [p.view(-1) if "master" in s else none for p, _, s, _ in items]
+        bf16_out = [_flat(p) if "master" in s else none for p, _, s, _ in items]
         grads = [g for _, g, _, _ in items]
         memo: dict = {}  # most parameters share their group's settings and step count
         hyper = [self._hyper(group, s["step"], memo) for _, _, s, group in items]
@@ -370,6 +404,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     "bfloat16 parameters (bf16 ones get an fp32 master copy)"
                 )
 
+    @torch.compiler.disable   # eager: Dynamo recursed without end tracing the float32 rounding
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer API
         loss = None
@@ -480,7 +515,7 @@ class AdamW8bit(torch.optim.Optimizer):
         elif "master" in s:
             expected["master"] = (f32, numel)
         else:
-            s["master"] = p.detach().reshape(-1).float().clone()
+            s["master"] = _flat(p.detach()).float().clone()
         for k, (dtype, size) in expected.items():
             t = s.get(k)
             if not (torch.is_tensor(t) and t.dtype == dtype and t.numel() == size):
