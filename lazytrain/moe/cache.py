@@ -69,7 +69,9 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(num_slots - 1, -1, -1))
         self.pending: dict[Key, ReadRequest] = {}     # queued or reading
-        self.prefetched: dict[Key, int] = {}          # loaded by prefetch, not yet demanded: deadline
+        # Loaded by prefetch, not yet demanded: deadline, and the counters of the phase that issued it
+        # (its use counts there: a prefill prefetch used in the decode is no decode prefetch).
+        self.prefetched: dict[Key, tuple[int, MoeCounters]] = {}
         self.pinned: set[int] = set()
         self.verified: set[Key] = set()
         self.counters = MoeCounters()
@@ -118,7 +120,7 @@ class ExpertCache:
         sooner (served from the host tier, prefetches are instant and unbounded by queue_depth, and
         with a tiny cache they evicted each other: hit rate 0.51 -> 0.23, measured)."""
         return [k for k, s in self.slot_of.items() if s not in self.pinned and k not in self.pending
-                and (before is None or self.prefetched.get(k, before + 1) > before)]
+                and (before is None or self.prefetched.get(k, (before + 1,))[0] > before)]
 
     def _alloc(self, now: int, keep: Key | None = None, before: int | None = None) -> int | None:
         if self.free:
@@ -213,8 +215,8 @@ class ExpertCache:
                 else:
                     c.hits += 1
                 if key in self.prefetched:
-                    c.prefetch_used += 1
-                    self.prefetched.pop(key)
+                    c.prefetch_served += 1
+                    self.prefetched.pop(key)[1].prefetch_used += 1
             else:
                 c.misses += 1
                 in_host = self.host is not None and key in self.host
@@ -304,7 +306,7 @@ class ExpertCache:
                 c.host_prefetches += 1           # served from host RAM at once, no disk read
             else:
                 self._enqueue(key, slot, deadline, prefetch=True)
-            self.prefetched[key] = deadline
+            self.prefetched[key] = (deadline, c)
             self.policy.touch(key, now)
             c.prefetch_issued += 1
 

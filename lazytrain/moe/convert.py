@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .arch import MoeLayer, build_meta_model, find_moe_layers
-from .store import COPIED_FILES, StoreError, StoreWriter
+from .store import COPIED_FILES, ExpertStore, StoreError, StoreMismatchError, StoreWriter
 
 # Per-expert projection names -> role; gate and up are concatenated [gate; up] like transformers does.
 _GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
@@ -80,22 +80,16 @@ def _renamer(model: nn.Module):
         return lambda k: k
 
 
-def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Convert a local HF checkpoint directory (config.json + safetensors) into a store."""
+def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, dict, dict]:
+    """Where each tensor the store holds lives in the checkpoint, under in-memory names:
+    non-expert name -> (file, key); fused (experts_name, param) and per-expert
+    (experts_name, expert, projection) -> (file, key)."""
     from safetensors import safe_open
 
-    src = Path(hf_dir).expanduser()
-    if not (src / "config.json").is_file():
-        raise StoreError(f"model.path {src} has no config.json (is it a Hugging Face model directory?)")
-    hf_config = json.loads((src / "config.json").read_text())
-    meta = build_meta_model(hf_config)
-    layers = find_moe_layers(meta)
     rename = _renamer(meta)
     expected = set(meta.state_dict().keys())
     prefixes = {ml.experts_name: ml for ml in layers}
     per_expert = re.compile(r"^(.*)\.(\d+)\.(\w+)\.weight$")
-
-    # Where each needed tensor lives: non-expert name -> (file, key); experts -> (file, key, kind)
     non_expert: dict[str, tuple[Path, str]] = {}
     fused: dict[tuple[str, str], tuple[Path, str]] = {}
     split: dict[tuple[str, int, str], tuple[Path, str]] = {}
@@ -113,6 +107,19 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
                     continue
                 if name in expected:
                     non_expert[name] = (shard, key)
+    return non_expert, fused, split
+
+
+def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert a local HF checkpoint directory (config.json + safetensors) into a store."""
+    src = Path(hf_dir).expanduser()
+    if not (src / "config.json").is_file():
+        raise StoreError(f"model.path {src} has no config.json (is it a Hugging Face model directory?)")
+    hf_config = json.loads((src / "config.json").read_text())
+    meta = build_meta_model(hf_config)
+    layers = find_moe_layers(meta)
+    expected = set(meta.state_dict().keys())
+    non_expert, fused, split = _locate(src, meta, layers)
 
     dtype = _expert_dtype(fused, split)
     if dtype is not None and dtype != next(iter(layers[0].experts.parameters())).dtype:
@@ -165,18 +172,132 @@ def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path, files: _Op
                 shard, key = fused[(ml.experts_name, t.name)]
                 out[t.name] = files[shard].get_slice(key)[e]   # reads only expert e's rows
                 continue
-            roles = {"gate_up_proj": (_GATE, _UP), "down_proj": (_DOWN,), "up_proj": (_UP,)}.get(t.name)
-            parts = []
-            for role in roles or ():
-                hit = next((split[(ml.experts_name, e, n)] for n in role
-                            if (ml.experts_name, e, n) in split), None)
-                if hit is None:
-                    break
-                parts.append(files[hit[0]].get_tensor(hit[1]))
-            if roles is None or len(parts) != len(roles):
+            hits = _split_parts(ml, e, t.name, split)
+            if hits is None:
                 raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
                                  "(neither fused nor per-expert keys found)")
+            parts = [files[shard].get_tensor(key) for shard, key in hits]
             out[t.name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         return out
 
     return read
+
+
+def _split_parts(ml: MoeLayer, e: int, name: str, split: dict) -> list[tuple[Path, str]] | None:
+    """The per-expert keys that make expert e's `name`, in concatenation order; None if any lacks."""
+    roles = {"gate_up_proj": (_GATE, _UP), "down_proj": (_DOWN,), "up_proj": (_UP,)}.get(name)
+    parts = []
+    for role in roles or ():
+        hit = next((split[(ml.experts_name, e, n)] for n in role if (ml.experts_name, e, n) in split), None)
+        if hit is None:
+            return None
+        parts.append(hit)
+    return parts or None
+
+
+# ---- does a store hold the weights of a checkpoint? -------------------------------------------------
+def _has_weights(hf_dir: Path) -> bool:
+    return (hf_dir / "model.safetensors.index.json").is_file() or any(hf_dir.glob("*.safetensors"))
+
+
+def _ends(f, key: str) -> list[torch.Tensor]:
+    """First and last rows of tensor `key` of an open safetensors file (0-d/1-d: all of it)."""
+    sl = f.get_slice(key)
+    return [sl[:1], sl[-1:]] if len(sl.get_shape()) >= 2 else [f.get_tensor(key)]
+
+
+def _differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> str | None:
+    """How two samples differ (dtype, shape or bytes), or None."""
+    for x, y in zip(a, b):
+        if x.dtype != y.dtype:
+            ours, theirs = (str(t.dtype).removeprefix("torch.") for t in (x, y))
+            return f"is {ours} in model.path, {theirs} in the store"
+        if x.shape != y.shape or not torch.equal(_raw(x), _raw(y)):
+            return "differs"
+    return None if len(a) == len(b) else "differs"
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _store_expert_ends(store: ExpertStore, layer: int, e: int) -> dict[str, list[torch.Tensor]]:
+    """First and last rows of each tensor of expert e's record, read at their offsets (a few KB,
+    not the whole record: one expert of a large model is hundreds of MB)."""
+    lr = store.layers[layer]
+    out = {}
+    with open(store.dir / lr.file, "rb") as f:
+        for spec, off in zip(lr.tensors, lr.offsets):
+            matrix = len(spec.shape) >= 2
+            n = spec.shape[0] if matrix else 1          # a 1-d bias: read whole, as one row
+            shape = (1, *spec.shape[1:]) if matrix else spec.shape
+            out[spec.name] = []
+            for r in (0, n - 1) if matrix else (0,):
+                f.seek(e * lr.record_bytes + off + r * (spec.nbytes // n))
+                raw = bytearray(f.read(spec.nbytes // n))
+                out[spec.name].append(torch.frombuffer(raw, dtype=getattr(torch, spec.dtype)).view(shape))
+    return out
+
+
+def _checkpoint_expert_ends(ml: MoeLayer, e: int, name: str, fused: dict, split: dict,
+                            files: _OpenShards) -> list[torch.Tensor] | None:
+    """The same rows of expert e's `name` in the checkpoint (fused or per-expert keys)."""
+    if (ml.experts_name, name) in fused:
+        shard, key = fused[(ml.experts_name, name)]
+        sl = files[shard].get_slice(key)
+        return [sl[e:e + 1, :1][0], sl[e:e + 1, -1:][0]] if len(sl.get_shape()) > 2 else [sl[e:e + 1][0]]
+    hits = _split_parts(ml, e, name, split)
+    if hits is None:
+        return None
+    (s0, k0), (s1, k1) = hits[0], hits[-1]
+    return [files[s0].get_slice(k0)[:1], files[s1].get_slice(k1)[-1:]]
+
+
+def _first_difference(src: Path, store: ExpertStore, meta: nn.Module) -> str | None:
+    from safetensors import safe_open
+
+    layers = find_moe_layers(meta)
+    tied = getattr(meta.config, "tie_word_embeddings", False)
+    non_expert, fused, split = _locate(src, meta, layers)
+    files = _OpenShards()
+    try:
+        with safe_open(str(store.non_expert_path), "pt") as st:
+            stored = set(st.keys())
+            for name, (shard, key) in non_expert.items():
+                if name not in stored or (tied and name == "lm_head.weight"):
+                    continue        # lacking in the store: load_streamed says so
+                why = _differ(_ends(files[shard], key), _ends(st, name))
+                if why:
+                    return f"{name} {why}"
+        for i in sorted({0, len(layers) - 1}):
+            theirs = _store_expert_ends(store, i, 0)
+            for t in store.layers[i].tensors:
+                ours = _checkpoint_expert_ends(layers[i], 0, t.name, fused, split, files)
+                why = _differ(ours, theirs[t.name]) if ours is not None else None
+                if why:
+                    return f"{layers[i].experts_name}.{t.name} expert 0 {why}"
+        return None
+    finally:
+        files.clear()
+
+
+def check_store_source(hf_dir: str | Path, store: ExpertStore, meta: nn.Module) -> None:
+    """Refuse a store converted from other weights than the checkpoint at `hf_dir`: model.path only
+    supplies config, tokenizer and generation config, the weights served are the store's, so
+    another checkpoint of the same architecture would silently answer with the store's model.
+    Compares the first and last rows of every non-expert tensor and of expert 0 of the first and
+    last MoE layers (a few MB read); a dir without safetensors files (config only) is not checked."""
+    from safetensors import SafetensorError
+
+    src = Path(hf_dir).expanduser()
+    if not _has_weights(src):
+        return
+    try:
+        diff = _first_difference(src, store, meta)
+    except (SafetensorError, OSError) as e:
+        raise StoreError(f"model.path {src}: cannot read its weights to check expert store {store.dir} "
+                         f"against them ({e})") from None
+    if diff:
+        raise StoreMismatchError(
+            f"expert store {store.dir} was converted from other weights than model.path {src} ({diff}); "
+            f"reconvert: `lazytrain moe convert model.path={src} out={store.dir}`")

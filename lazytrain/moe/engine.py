@@ -22,6 +22,7 @@ from torch import nn
 
 from .arch import MoeLayer, NotMoeModelError, build_meta_model, find_moe_layers
 from .cache import ExpertCache
+from .convert import check_store_source
 from .policies import Forecast, make_policy
 from .predictor import Oracle, PredictorHeads, SpeculativeGate, TrainedPredictor
 from .stats import MoeCounters, MoeStats
@@ -347,6 +348,9 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         if bad:
             raise StoreMismatchError(f"expert store {store.dir} does not match the model: "
                                      + "; ".join(bad[:4]))
+        if model_path is not None:
+            # model.path's weights are never loaded (the store's are): refuse a store of others
+            check_store_source(src, store, model)
         model.load_state_dict(sd, strict=False, assign=True)
         if getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()

@@ -15,7 +15,8 @@ class MoeCounters:
     late: int = 0              # ... being prefetched, not done yet: waited (counted as a miss)
     misses: int = 0            # ... not requested before: demand read
     prefetch_issued: int = 0   # prefetch reads queued
-    prefetch_used: int = 0     # prefetched experts demanded before eviction
+    prefetch_used: int = 0     # of those, demanded before eviction (in this phase or a later one)
+    prefetch_served: int = 0   # demands met by a prefetch, whichever phase issued it
     prefetch_dropped: int = 0  # predictions not queued (queue full or no evictable slot)
     host_hits: int = 0         # demand misses of the device slots served from the host tier
     host_prefetches: int = 0   # prefetches served from the host tier (no disk read)
@@ -59,8 +60,8 @@ class MoeStats:
         return MoeStats(
             hit_rate=c.hits / c.demand if c.demand else 1.0,
             prefetch_precision=c.prefetch_used / c.prefetch_issued if c.prefetch_issued else 0.0,
-            prefetch_recall=(c.prefetch_used / (c.prefetch_used + c.misses)
-                             if c.prefetch_used + c.misses else 0.0),
+            prefetch_recall=(c.prefetch_served / (c.prefetch_served + c.misses)
+                             if c.prefetch_served + c.misses else 0.0),
             bytes_per_token=c.bytes_read / t, stall_s_per_token=c.stall_s / t,
             predictor_s_per_token=c.predictor_s / t,
             tokens_per_s=c.tokens / c.wall_s if c.wall_s > 0 else 0.0,

@@ -1,7 +1,9 @@
 """Review fixes of the streamed MoE engine: the checkpoint's generation config, a skipped prefetch
 never counted as a hit, no leaked I/O threads, use after close, tied embeddings, predictor hidden
-size, and one-line CLI errors (exit 2) on bad input."""
+size, one-line CLI errors (exit 2) on bad input, a store of other weights than model.path refused, and
+prefetch precision at most 100% in every phase."""
 
+import re
 import shutil
 import threading
 
@@ -10,7 +12,8 @@ import torch
 
 from lazytrain.cli import generate as gen_cli
 from lazytrain.cli import moe as moe_cli
-from lazytrain.moe import ExpertCache, ExpertStore, convert_checkpoint, convert_model, generate, load_streamed
+from lazytrain.moe import (ExpertCache, ExpertStore, StoreMismatchError, convert_checkpoint, convert_model,
+                           generate, load_streamed)
 from lazytrain.moe.policies import LRU
 from lazytrain.moe.predictor import PredictorHeads
 from lazytrain.moe.stats import MoeCounters
@@ -414,3 +417,84 @@ def test_a_predictor_whose_metadata_disagrees_with_its_tensors_is_one_clear_erro
     save_file(tensors, str(path), metadata={"lazytrain_predictor": "{not json"})
     with pytest.raises(ValueError, match="is damaged"):
         PredictorHeads.load(path)
+
+
+# ---- review of 2026-11-30 (night) -------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_prefetch_precision_is_at_most_one_in_every_phase(tiny_moe, tmp_path, n):
+    """A prefetch issued in the prefill (a one-token prompt: the gate prefetches there too) and used in
+    the decode was counted as used by the decode, issued by the prefill: decode precision up to
+    150% (8 layers, prompt [35], 2 new tokens). A use now counts for the phase that issued the prefetch."""
+    convert_model(tiny_moe("mixtral", num_hidden_layers=8), tmp_path / "s")
+    eng = load_streamed(tmp_path / "s", prefetch="gate")
+    try:
+        for prompt in ([35], [70], [3, 35], PROMPT):
+            res = generate(tmp_path / "s", prompt_ids=prompt, max_new_tokens=n, engine=eng)
+            for s in (res.prefill_stats, res.stats):
+                assert 0.0 <= s.prefetch_precision <= 1.0 and 0.0 <= s.prefetch_recall <= 1.0, s.line()
+            cs = eng.counters.values()
+            assert sum(c.prefetch_used for c in cs) <= sum(c.prefetch_issued for c in cs)
+    finally:
+        eng.close()
+
+
+def test_store_of_other_weights_than_model_path_refused(tiny_moe, tmp_path, capsys):
+    """model.path gives only config, tokenizer and generation config; the weights served are the
+    store's. A store converted from checkpoint A, run with model.path=B (same config, other seed),
+    answered with A's tokens: now a one-line StoreMismatchError that says how to reconvert."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_moe("mixtral", seed=0).save_pretrained(tmp_path / "A")
+    tiny_moe("mixtral", seed=1).save_pretrained(tmp_path / "B")
+    store = tmp_path / "store"
+    convert_checkpoint(tmp_path / "A", store)
+    with pytest.raises(StoreMismatchError, match=r"converted from other weights than model\.path .*B.*"
+                       r"`lazytrain moe convert model\.path=.*B out=.*store`"):
+        generate(store, prompt_ids=PROMPT, max_new_tokens=4, model_path=tmp_path / "B")
+    assert gen_cli.main([f"model.path={tmp_path / 'B'}", f"moe.store={store}", "prompt_ids=[1,2]",
+                         "max_new_tokens=2"]) == 2
+    assert re.search(r"\(\S+\.weight differs\); reconvert: `lazytrain moe convert", _err_line(capsys))
+
+    want = _greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "A").eval(), PROMPT, 12)
+    got = generate(store, prompt_ids=PROMPT, max_new_tokens=12, model_path=tmp_path / "A").token_ids
+    assert got == want
+    config_only = tmp_path / "config_only"                  # nothing to compare: not checked
+    config_only.mkdir()
+    shutil.copy2(tmp_path / "A" / "config.json", config_only)
+    assert generate(store, prompt_ids=PROMPT, max_new_tokens=12, model_path=config_only).token_ids == want
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])     # per-expert keys, fused keys
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_store_whose_experts_differ_from_model_path_refused(kind, where, tiny_moe, tmp_path):
+    """Same non-expert weights, one row of expert 0 changed (the first or the last MoE layer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if kind == "gpt_oss":
+        cfg = AutoConfig.for_model("gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=128, num_local_experts=8, num_experts_per_tok=2)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    else:
+        model = tiny_moe(kind)
+    model.save_pretrained(tmp_path / "A")
+    convert_checkpoint(tmp_path / "A", tmp_path / "store")
+    layer = 0 if where == "first" else model.config.num_hidden_layers - 1
+    experts = model.model.layers[layer].mlp.experts
+    with torch.no_grad():
+        p = experts.gate_up_proj if where == "first" else experts.down_proj
+        p[0, -1 if where == "first" else 0, 0] += 1.0
+    model.save_pretrained(tmp_path / "B")
+    name = f"model.layers.{layer}.mlp.experts.{'gate_up_proj' if where == 'first' else 'down_proj'}"
+    with pytest.raises(StoreMismatchError, match=rf"{name} expert 0 differs"):
+        load_streamed(tmp_path / "store", model_path=tmp_path / "B")
+    load_streamed(tmp_path / "store", model_path=tmp_path / "A").close()
+
+
+def test_store_of_other_dtype_than_model_path_refused(tiny_moe, tmp_path):
+    model = tiny_moe("qwen3_moe")
+    model.save_pretrained(tmp_path / "A")
+    convert_model(model.to(torch.bfloat16), tmp_path / "store")
+    with pytest.raises(StoreMismatchError, match="converted from other weights.*float32.*bfloat16"):
+        load_streamed(tmp_path / "store", model_path=tmp_path / "A")
