@@ -73,6 +73,17 @@ def _error(msg: str) -> int:
     return 2
 
 
+class _Stop(BaseException):
+    """Ends the Hydra app after a Ctrl-C was reported (a BaseException: Hydra passes it on)."""
+
+
+def _interrupted(msg: str) -> int:
+    """Ctrl-C: one line (where it stopped, how to continue), not a traceback; 130 as a shell
+    reports a process ended by SIGINT."""
+    _error(msg)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise(list(sys.argv[1:] if argv is None else argv))
     from ..cli.config import config_dir, load_config
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             pre = preflight(cfg)
         except USER_ERRORS as e:
             return _error(str(e))
+        except KeyboardInterrupt:   # (Ctrl-C while the data is tokenized, say): nothing written yet
+            return _interrupted("interrupted before training started; nothing was written")
         except Exception as e:  # Hydra config errors arrive as various types; keep them to one line
             if type(e).__module__.startswith(("hydra", "omegaconf")):
                 return _error(str(e).splitlines()[0])
@@ -103,7 +116,7 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
-    from ..recipes.train import USER_ERRORS, run
+    from ..recipes.train import USER_ERRORS, TrainingInterrupted, run
     from ..storage.aligned_io import DiskIOError
     try:
         from ..runtime import DeviceBudgetExceeded
@@ -133,6 +146,9 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
         except USER_ERRORS as e:
             status["rc"] = _error(str(e))
             return None
+        except TrainingInterrupted as e:   # Ctrl-C: the checkpoints written stay; says how to go on
+            status["rc"] = _interrupted(str(e))
+            raise _Stop() from None   # past Hydra (a sweep's later jobs do not start either)
         except DiskIOError as e:  # names the file and the operation; checkpoints are atomic
             _error(f"disk error: {e}")
             status["rc"] = 1
@@ -147,6 +163,11 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
     sys.argv = ["lazytrain train", *argv]
     try:
         _task()
+    except _Stop:
+        pass
+    except KeyboardInterrupt:   # in Hydra's own set-up or between a sweep's jobs, not in a run
+        status["rc"] = _interrupted("interrupted outside training; the checkpoints written are intact "
+                                    "(resume=true output_dir=DIR continues a run)")
     finally:
         sys.argv = saved
     return status["rc"]

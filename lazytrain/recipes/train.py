@@ -131,9 +131,9 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
         train_txt, _ = build_corpus(cache / "corpus")
         tok_dir = d.get("tokenizer") or build_tokenizer(
             [train_txt], cache / f"tokenizer-{int(d.vocab_size)}", vocab_size=int(d.vocab_size))
-        files = [Path(str(f)) for f in (d.get("files") or [])] or [train_txt]
+        files = [Path(str(f)) for f in data_files(d)] or [train_txt]
         return files, Path(str(tok_dir)).expanduser()
-    files = [Path(str(f)).expanduser() for f in (d.get("files") or [])]
+    files = [Path(str(f)).expanduser() for f in data_files(d)]
     if not files:
         raise DataError("no data given: set data.files=[FILE_OR_DIR,...] (text or JSONL) or data=demo")
     for f in files:
@@ -146,6 +146,17 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
     if not tok_dir.is_dir():
         raise DataError(f"tokenizer dir {tok_dir} does not exist")
     return files, tok_dir
+
+
+def data_files(d: DictConfig) -> list:
+    """data.files as a list: `data.files=notes.jsonl` (one path, not in brackets) is that one
+    file, not a sequence of one-character names."""
+    files = d.get("files")
+    if files is None or files == "":
+        return []
+    if OmegaConf.is_list(files) or isinstance(files, (list, tuple)):
+        return list(files)
+    return [files]
 
 
 def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
@@ -272,23 +283,38 @@ def optim_settings(cfg: DictConfig) -> dict[str, Any]:
     ConfigError naming the one that is not; checked in preflight."""
     o = cfg.optim
 
-    def num(name: str, v: Any) -> float:
+    def num(name: str, v: Any, ok=lambda x: True, want: str = "") -> float:
         try:
-            return float(v)
+            x = float(v)
         except (TypeError, ValueError):
             raise ConfigError(f"optim.{name} must be a number, got {v!r}") from None
+        # A value of the right type can still leave the weights where they are (a clip norm of
+        # 0 scales every gradient to 0) or train them backwards (lr < 0): refused, not run.
+        if math.isnan(x) or not ok(x):
+            raise ConfigError(f"optim.{name} must be {want}, got {v!r}")
+        return x
 
     betas = o.betas
     if not isinstance(betas, (list, tuple)) and not OmegaConf.is_list(betas) or len(betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {betas!r}")
-    num("min_lr_ratio", o.get("min_lr_ratio", 0))
+    num("min_lr_ratio", o.get("min_lr_ratio", 0), lambda x: 0 <= x <= 1,
+        "in [0, 1] (the cosine ends at lr * min_lr_ratio)")
     try:
-        int(o.get("warmup_steps", 0))
+        warmup = int(o.get("warmup_steps", 0))
     except (TypeError, ValueError):
         raise ConfigError(f"optim.warmup_steps must be a whole number, got {o.get('warmup_steps')!r}") from None
-    return dict(lr=num("lr", o.lr), betas=tuple(num("betas", b) for b in betas), eps=num("eps", o.eps),
-                weight_decay=num("weight_decay", o.weight_decay),
-                max_grad_norm=None if o.max_grad_norm is None else num("max_grad_norm", o.max_grad_norm))
+    if warmup < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0 (0: no warmup), got {warmup}")
+    mgn = o.max_grad_norm
+    return dict(lr=num("lr", o.lr, lambda x: 0 < x < math.inf, "> 0 (and finite)"),
+                betas=tuple(num("betas", b, lambda x: 0 <= x < 1, "in [0, 1) (each of the two)")
+                            for b in betas),
+                eps=num("eps", o.eps, lambda x: 0 < x < math.inf, "> 0 (and finite)"),
+                weight_decay=num("weight_decay", o.weight_decay, lambda x: 0 <= x < math.inf,
+                                 ">= 0 (and finite)"),
+                max_grad_norm=None if mgn is None else num(
+                    "max_grad_norm", mgn, lambda x: x > 0,
+                    "> 0 (or null to disable clipping; 0 would scale every gradient to 0)"))
 
 
 def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: int) -> torch.nn.Module:
@@ -402,7 +428,22 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
                           f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
                           f"use the settings it was written with or a new output_dir") from None
     echo(f"resumed from {last} (step {state['step']}, data position {state['data_position']})")
-    return int(state["step"]), int(state["data_position"])
+    step, was = int(state["step"]), state.get("max_steps")
+    if was is not None and int(was) != pre.max_steps:
+        # lr_at's cosine ends at job.max_steps: another end reshapes the rest of the schedule (not
+        # refused: extending a run is legitimate), from the first step whose lr it changes
+        o = cfg.optim
+
+        def lrs(s: int) -> tuple[float, float]:
+            return tuple(lr_at(s, float(o.lr), int(o.warmup_steps), m, float(o.min_lr_ratio))
+                         for m in (int(was), pre.max_steps))
+        s = next((s for s in range(step, pre.max_steps) if lrs(s)[0] != lrs(s)[1]), None)
+        if s is not None:
+            a, b = lrs(s)
+            echo(f"job.max_steps={pre.max_steps}, the checkpoint's run had job.max_steps={was}: the lr "
+                 f"schedule changes from step {s + 1} on (lr {a:.3g} -> {b:.3g} there; the cosine now "
+                 f"ends at step {pre.max_steps})")
+    return step, int(state["data_position"])
 
 
 # ================================ train ==========================================================
@@ -412,15 +453,7 @@ class MetricsLog:
 
     def __init__(self, out: Path, start_step: int) -> None:
         self.path = out / "metrics.jsonl"
-        if self.path.exists():
-            keep = []
-            for ln in self.path.read_text().splitlines():
-                try:
-                    if json.loads(ln)["step"] <= start_step:
-                        keep.append(ln)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    pass  # a line cut short by a crash
-            ckpt.atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
+        self.earlier = keep_rows(self.path, start_step)   # the rows of the run this one resumes
         self.f = open(self.path, "a", encoding="utf-8")
         self.tb = None
         try:
@@ -446,6 +479,25 @@ class MetricsLog:
             self.tb.close()
 
 
+def keep_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """Keep the rows of JSONL `path` up to step `last_step` (a resume's checkpoint; 0: none) and
+    return them: those of later steps, which a killed run wrote past its last checkpoint, are run
+    again."""
+    if not path.exists():
+        return []
+    keep, rows = [], []
+    for ln in path.read_text().splitlines():
+        try:
+            rec = json.loads(ln)
+            if rec["step"] <= last_step:
+                keep.append(ln)
+                rows.append(rec)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short by a crash
+    ckpt.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+    return rows
+
+
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -461,9 +513,44 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
+class TrainingInterrupted(Exception):
+    """Ctrl-C (KeyboardInterrupt) in `run`: one line saying where it stopped, the checkpoint a
+    resume continues from and how to continue (the CLI prints it and exits 130)."""
+
+
 def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         echo=print) -> dict[str, Any]:
     """Train as configured; returns the run summary (also written to output_dir/summary.json)."""
+    at: dict[str, Any] = {}   # how far the run got, for the message if it is interrupted
+    try:
+        return _run(cfg, output_dir, pre, echo, at)
+    except KeyboardInterrupt:
+        # Nothing to undo: the engine is closed on the way out, a checkpoint cut short is removed
+        # (the ones before stay whole), metrics and trace rows are flushed as they are written.
+        raise TrainingInterrupted(interrupted_message(Path(output_dir).expanduser(), at)) from None
+
+
+def interrupted_message(out: Path, at: dict[str, Any]) -> str:
+    """Where an interrupted run stopped, its last checkpoint and how to continue, in one line."""
+    if "step" not in at:
+        where = "before its first step"
+    elif at.get("saving") == "final":
+        where = f"after the last step ({at['step']}), while saving the final model"
+    elif at.get("saving") == "checkpoint":
+        where = f"after step {at['step']}, while saving its checkpoint"
+    else:
+        where = f"at step {at['step'] + 1} of {at['max_steps']}"
+    last = ckpt.latest_checkpoint(out / "checkpoints")
+    if last is None:
+        return (f"interrupted {where}; no checkpoint was written yet: resume=true output_dir={out} "
+                f"starts again from step 0")
+    n = last.name[len("step_"):].lstrip("0") or "0"
+    return (f"interrupted {where}; the last checkpoint is step {n}: continue with resume=true "
+            f"output_dir={out}")
+
+
+def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
+         at: dict[str, Any]) -> dict[str, Any]:
     # ---- setup --------------------------------------------------------------------------------
     ranks = ranks_of(cfg)
     if not ranks.main:
@@ -477,12 +564,35 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
             raise ConfigError(f"output_dir {out} holds checkpoints of an earlier run (the latest: "
                               f"{found.name}); resume=true continues it, a new run needs another "
                               f"output_dir (or remove {out / 'checkpoints'})")
+    max_steps = pre.max_steps
+    stop_at = int(cfg.stop_at_step) if cfg.get("stop_at_step") else max_steps
+    last = ckpt.latest_checkpoint(out / "checkpoints") if cfg.resume else None
+    if last is not None:
+        state = ckpt.read_state(last)
+        done = int(state["step"])
+        refinish = done == max_steps and cfg.save_final_model and not (out / "final").exists()
+        if done >= min(max_steps, stop_at) and not refinish:
+            # Nothing to train (e.g. a finished run resumed again): its outputs stay as they are,
+            # summary.json and trace.jsonl with them; the checkpoint must still be this job's.
+            check_resumable(state, cfg, pre.dataset, pre)
+            summary = {"steps": 0, "start_step": done, "end_step": done, "output_dir": str(out),
+                       "engine": str(cfg.engine), "max_steps": max_steps,
+                       "stop_at_step": stop_at if stop_at < max_steps else None}
+            echo(format_summary(summary))
+            return summary
     out.mkdir(parents=True, exist_ok=True)
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
     echo(plan_summary(pre.plan))
     if ranks.main:
         _write_text(out / "plan.json", pre.plan.to_json())
+    if pre.hardware.device_type == "cuda" and not torch.cuda.is_available():
+        # build_engine falls back to the CPU; say so, or a GPU profile silently trains on the CPU
+        held = ("with the planned device budget enforced by the executor's accountant"
+                if cfg.engine == "lazytrain" else f"(engine={cfg.engine} does not hold it to the planned "
+                                                  f"device budget)")
+        echo(f"hardware={pre.hardware.name} describes a CUDA GPU but none is available: training on "
+             f"the CPU {held}; hardware=cpu plans for this machine")
 
     seed = int(cfg.seed)
     tokenizer, ds = pre.tokenizer, pre.dataset
@@ -506,21 +616,27 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
                      f"{json.dumps(pre.ds_overrides, sort_keys=True)}")
             if ranks.main:   # what DeepSpeed runs with (this run's), for the record and for reuse
                 ckpt.atomic_write_text(out / "ds_config.json", json.dumps(engine.tr.ds_config, indent=2, sort_keys=True) + "\n")
+        trace = getattr(getattr(engine, "ex", None), "trace", None)   # engine=lazytrain's own
+        if last is not None and trace is not None:
+            trace.continue_run(done)   # a resume appends, as to metrics.jsonl
         start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo, ranks)
     except BaseException:
         engine.close()
         raise
 
     # ---- train --------------------------------------------------------------------------------
-    o, job, max_steps = cfg.optim, pre.job, pre.max_steps
-    stop_at = int(cfg.stop_at_step) if cfg.get("stop_at_step") else max_steps
+    o, job = cfg.optim, pre.job
     save_every, log_every = int(cfg.save_every), max(1, int(cfg.log_every))
     metrics = MetricsLog(out, start_step) if ranks.main else _NullMetrics()
-    trace_f = open(out / "trace.jsonl", "a") if cfg.engine != "lazytrain" and ranks.main else None
+    trace_f = None
+    if cfg.engine != "lazytrain" and ranks.main:
+        keep_rows(out / "trace.jsonl", start_step)   # as metrics.jsonl (steps numbered alike)
+        trace_f = open(out / "trace.jsonl", "a")
     bar = _progress(max_steps, start_step, bool(cfg.progress) and ranks.main)
     history: list[StepStats] = []
     t_run = time.perf_counter()
     step = start_step
+    at.update(step=step, max_steps=max_steps)
 
     def save(step_done: int) -> None:
         state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
@@ -547,6 +663,7 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
                 loss_sum, tokens = ranks.sum(st.loss, st.tokens)
                 st = replace(st, loss=loss_sum / ranks.world, tokens=int(tokens))
             step += 1
+            at["step"] = step
             history.append(st)
             tps = st.tokens / st.step_time_s if st.step_time_s > 0 else 0.0
             rec = {"step": step, "loss": st.loss, "lr": lr, "grad_norm": st.grad_norm,
@@ -566,7 +683,9 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
                 bar.set_postfix_str(f"loss {st.loss:.3f}  {tps:,.0f} tok/s  "
                                     f"mem {_fmt_bytes(st.device_peak_bytes)}", refresh=False)
             if (save_every and step % save_every == 0) or step in (max_steps, stop_at):
+                at["saving"] = "checkpoint"
                 save(step)
+                del at["saving"]
     except BaseException:
         engine.close()
         raise
@@ -580,16 +699,18 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     final_dir = None
     try:
         if step == max_steps and cfg.save_final_model:
+            at["saving"] = "final"
             engine.sync_model()
             final_dir = out / "final"
             save_final_model(engine, tokenizer, final_dir, ranks)
     finally:
         engine.close()
-    summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run)
+    summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run, metrics.earlier)
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
                     "dataset_tokens": ds.num_tokens, "max_steps": max_steps})
-    if ranks.main:
+    # (a resume that only wrote the final model keeps the summary of the steps that ran)
+    if ranks.main and (history or not (out / "summary.json").exists()):
         _write_text(out / "summary.json", json.dumps(summary, indent=1))
     echo(format_summary(summary))
     if step < max_steps:   # stop_at_step: a planned pre-emption, continued with resume=true
@@ -611,6 +732,8 @@ def _silent(*_args, **_kwargs) -> None:
 
 class _NullMetrics:
     """MetricsLog of ranks other than 0."""
+
+    earlier: list[dict[str, Any]] = []
 
     def write(self, rec: dict[str, Any]) -> None:
         pass
@@ -651,17 +774,25 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
 
 
 def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: int,
-              wall_s: float) -> dict[str, Any]:
+              wall_s: float, earlier: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """This process's steps (`history`); the losses over the whole run, from `earlier`: the
+    metrics rows of the steps before a resume (a resumed run's first loss is still its step 1's,
+    not the resume's, so first -> last says what the whole run learnt). Times and memory are this
+    process's: measured here and now, on this machine."""
     if not history:
         return {"steps": 0, "start_step": start_step, "end_step": end_step}
-    k = max(1, min(5, len(history) // 4))
+    before = [(int(r["step"]), float(r["loss"])) for r in earlier
+              if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))]
+    losses = [x for _, x in before] + [h.loss for h in history]
+    k = max(1, min(5, len(losses) // 4))
     times = sorted(h.step_time_s for h in history[1:] or history)  # step 1 includes warm-up
     med_t = times[len(times) // 2]
     return {
         "steps": len(history), "start_step": start_step, "end_step": end_step, "wall_s": wall_s,
-        "first_loss": history[0].loss, "last_loss": history[-1].loss,
-        "first_loss_avg": sum(h.loss for h in history[:k]) / k,
-        "last_loss_avg": sum(h.loss for h in history[-k:]) / k,
+        "loss_from_step": before[0][0] if before else start_step + 1,
+        "first_loss": losses[0], "last_loss": losses[-1],
+        "first_loss_avg": sum(losses[:k]) / k,
+        "last_loss_avg": sum(losses[-k:]) / k,
         "tokens_per_s": history[-1].tokens / med_t if med_t > 0 else 0.0,
         "measured_step_time_s": med_t,
         "predicted_step_time_s": history[-1].predicted_step_time_s or plan.predicted.step_time_s,
@@ -674,14 +805,21 @@ def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: i
 
 def format_summary(s: dict[str, Any]) -> str:
     if not s.get("steps"):
+        # (a final model written now: a resume of a run stopped or killed before it saved one)
+        saved = f"; the final model is saved in {s['final_dir']}" if s.get("final_dir") else ""
         if s.get("max_steps") is not None and s.get("start_step", 0) >= s["max_steps"]:
             return (f"no steps run: the run is already at step {s['start_step']} of "
-                    f"job.max_steps={s['max_steps']} (raise job.max_steps to train on)")
-        return "no steps run"
+                    f"job.max_steps={s['max_steps']} (raise job.max_steps to train on){saved}")
+        if s.get("stop_at_step") is not None and s.get("start_step", 0) >= s["stop_at_step"]:
+            return (f"no steps run: the run is already at step {s['start_step']}, past "
+                    f"stop_at_step={s['stop_at_step']} (raise or unset it to train on)")
+        return "no steps run" + saved
+    since = s.get("loss_from_step", s["start_step"] + 1)
+    span = "" if since == s["start_step"] + 1 else f" (steps {since}..{s['end_step']}, the run so far)"
     return "\n".join([
         f"trained steps {s['start_step'] + 1}..{s['end_step']} in {s['wall_s']:.1f} s  "
         f"({s['tokens_per_s']:,.0f} tokens/s, median step {s['measured_step_time_s'] * 1e3:.0f} ms)",
-        f"loss: first {s['first_loss']:.3f} -> last {s['last_loss']:.3f}  "
+        f"loss{span}: first {s['first_loss']:.3f} -> last {s['last_loss']:.3f}  "
         f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})",
         f"step time: predicted {s['predicted_step_time_s'] * 1e3:.0f} ms, measured "
         f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "

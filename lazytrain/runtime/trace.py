@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -27,9 +28,49 @@ class Trace:
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._local = threading.local()
+        # added to the steps written (`continue_run`): the run's steps before this process's
+        self.step_offset = 0
+        # The first flush starts the file anew, not the constructor: a resumed run, told after
+        # the executor is built (`continue_run`), keeps the steps its earlier processes traced.
+        self._fresh = True
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            self.path.touch()
+
+    def continue_run(self, steps_done: int) -> None:
+        """Trace into the file of a run resumed after its step `steps_done`, not over it: its
+        events of the steps before are kept (and those outside any step), those of later ones (run
+        past the checkpoint by a killed process, and run again now) dropped, as metrics.jsonl
+        drops their rows; this process's steps are written on from there (its step 0 as the run's
+        `steps_done`). Every step keeps one number however many processes ran the run (the
+        run's step - 1, 0-based like the executor's), which `lazytrain plan trace` relies on:
+        per-process numbers would put the resumed steps under the earlier ones'."""
+        if self.path is None:
+            return
+        self.step_offset = steps_done
+        self._fresh = False
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        except OSError as e:
+            raise DiskIOError(e.errno, f"read trace {self.path}: {e.strerror}") from e
+        keep = []
+        for ln in lines:
+            try:
+                step = json.loads(ln)["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue   # a line cut short by a kill
+            if not isinstance(step, int) or step < steps_done:
+                keep.append(ln)
+        if len(keep) == len(lines):
+            return   # (nothing to drop: the file is left as it is)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            os.replace(tmp, self.path)   # a kill meanwhile leaves the old file, not half of it
+        except OSError as e:
+            raise DiskIOError(e.errno, f"write trace {self.path}: {e.strerror}") from e
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -58,7 +99,8 @@ class Trace:
         optimizer_state."""
         if self.path is None:
             return
-        ev = {"step": self.current_step(), "kind": kind, "layer": layer,
+        step = self.current_step()
+        ev = {"step": step + self.step_offset if step >= 0 else step, "kind": kind, "layer": layer,
               "start_s": round(start_s, 6), "end_s": round(end_s, 6), "bytes": int(nbytes), "tier": tier,
               "what": what}
         with self._lock:
@@ -77,8 +119,9 @@ class Trace:
             return
         with self._lock:
             evs, self.events = self.events, []
+            mode, self._fresh = ("w" if self._fresh else "a"), False
         try:
-            with self.path.open("a") as f:
+            with self.path.open(mode) as f:
                 for ev in evs:
                     f.write(json.dumps(ev) + "\n")
         except OSError as e:

@@ -270,9 +270,10 @@ def test_local_hf_model_dir_with_its_tokenizer(base_overrides, text_data, tmp_pa
     ov = [o for o in base_overrides if not o.startswith(("model=", "model.hf_config", "data.tokenizer"))]
     out = tmp_path / "run"
     rc, io = _main([*ov, f"model.path={mdir}", "job.mode=lora", "job.lora_rank=2", "job.max_steps=2",
-                    "optim.lr=0", "optim.warmup_steps=0", f"output_dir={out}"], capsys)
+                    "optim.warmup_steps=0", f"output_dir={out}"], capsys)
     assert rc == 0, io.err
-    # lr 0: the first loss is the loaded model's own loss on the first batch
+    # the first loss (computed before the first update) is the loaded model's own loss on the
+    # first batch (optim.lr=0 is refused: it trains nothing)
     from lazytrain.data.dataset import build_dataset, load_tokenizer
     ds = build_dataset([text_data[0]], load_tokenizer(mdir), 32, seed=0)
     b = ds.batch(0, 2)
