@@ -114,18 +114,22 @@ class ExpertCache:
         return v
 
     # ---- slot allocation (forward thread only) ------------------------------------------------
-    def _evictable(self, before: int | None = None) -> list[Key]:
+    def _evictable(self, now: int | None = None, before: int | None = None) -> list[Key]:
         """Keys whose slots may be reused; with `before` (a prefetch's deadline), not those
-        prefetched for that deadline or an earlier one: a prefetch must not evict one that is needed
-        sooner (served from the host tier, prefetches are instant and unbounded by queue_depth, and
-        with a tiny cache they evicted each other: hit rate 0.51 -> 0.23, measured)."""
+        prefetched for a deadline from `now` to `before`: a prefetch must not evict one that is
+        needed sooner (served from the host tier, prefetches are instant and unbounded by
+        queue_depth, and with a tiny cache they evicted each other: hit rate 0.51 -> 0.23,
+        measured). One whose deadline has passed was mispredicted: fair game."""
+        def protected(k: Key) -> bool:
+            d = self.prefetched.get(k)
+            return d is not None and now <= d[0] <= before
         return [k for k, s in self.slot_of.items() if s not in self.pinned and k not in self.pending
-                and (before is None or self.prefetched.get(k, (before + 1,))[0] > before)]
+                and (before is None or not protected(k))]
 
     def _alloc(self, now: int, keep: Key | None = None, before: int | None = None) -> int | None:
         if self.free:
             return self.free.pop()
-        cand = self._evictable(before)
+        cand = self._evictable(now, before)
         if not cand:
             return None
         victim = self.policy.victim(cand, now)

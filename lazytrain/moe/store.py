@@ -98,6 +98,12 @@ def pack_expert(tensors: dict[str, torch.Tensor], specs: tuple[ExpertTensorSpec,
     return bytes(buf)
 
 
+def _holds_hf_weights(d: Path) -> bool:
+    """A model directory (its tokenizer and configs must never be replaced by a store's)."""
+    return (d / "model.safetensors.index.json").is_file() or any(
+        f.name != NON_EXPERT for f in d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin"))
+
+
 def _holds_a_store(d: Path) -> bool:
     """A store, or what an interrupted conversion left of one."""
     return (d / INDEX).is_file() or (d / NON_EXPERT).is_file() or any(d.glob("experts-L*.bin"))
@@ -109,7 +115,8 @@ class StoreWriter:
 
     def __init__(self, out_dir: str | os.PathLike, hf_config: dict) -> None:
         self.dir = Path(out_dir)
-        if self.dir.is_dir() and any(self.dir.iterdir()) and not _holds_a_store(self.dir):
+        if self.dir.is_dir() and any(self.dir.iterdir()) and (not _holds_a_store(self.dir)
+                                                             or _holds_hf_weights(self.dir)):
             raise StoreError(f"{self.dir} holds other files and no expert store; convert into a new "
                              "or empty directory (converting replaces a store's files there)")
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ _CACHES = ("_tables", "_compiled_tables", "_owner")
 
 
 _f32 = kernel_torch.f32
+MEMORY_ORDER = "memory_order"   # state key: dims of a non-contiguous parameter, largest stride first
 
 
 def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -253,6 +254,9 @@ class AdamW8bit(torch.optim.Optimizer):
             return state
         numel = p.numel()
         state["step"] = 0
+        order = _memory_order(p)
+        if order is not None and order != tuple(range(p.dim())):
+            state[MEMORY_ORDER] = order   # the states' element order (see _check_layout)
         if p.dtype != torch.float32:
             state["master"] = _flat(p.detach()).float().clone()
         if numel >= self.min_8bit_numel:
@@ -327,6 +331,7 @@ class AdamW8bit(torch.optim.Optimizer):
             if p.grad.shape != p.shape:
                 raise ValueError(f"AdamW8bit: grad shape {tuple(p.grad.shape)} != param {tuple(p.shape)}")
             state = self._init_state(p)   # (a non-dense parameter raises a clear error here)
+            self._check_layout(p, state, "AdamW8bit")
             grad = _flat(p.grad, like=p)
             if grad.dtype not in _SUPPORTED_PARAM_DTYPES or prescale:
                 grad = grad.float()
@@ -388,7 +393,7 @@ class AdamW8bit(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
-        except TypeError:
+        except (TypeError, ValueError):
             self.param_groups.pop()
             raise
 
@@ -397,6 +402,14 @@ class AdamW8bit(torch.optim.Optimizer):
         for k in _UNSUPPORTED_GROUP_OPTIONS:
             if group.get(k):
                 raise TypeError(f"AdamW8bit: param group option {k}={group[k]!r} is not supported")
+        # (values a scheduler or the user may set after construction; a beta of 1 divided by zero
+        # in the bias correction)
+        b1, b2 = (float(b) for b in group["betas"])
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"AdamW8bit: betas must be in [0, 1), got {group['betas']}")
+        for k in ("lr", "eps", "weight_decay"):
+            if not float(group[k]) >= 0.0:
+                raise ValueError(f"AdamW8bit: {k} must be >= 0, got {group[k]}")
         for p in group["params"]:
             if p.dtype not in _SUPPORTED_PARAM_DTYPES:
                 raise TypeError(
@@ -411,7 +424,12 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        pairs, seen = [], set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and id(p) not in seen:   # a parameter listed twice: once,
+                    seen.add(id(p))                            # in the clipping norm too
+                    pairs.append((p, g))
         scale: float | None = 1.0
         if self.max_grad_norm is not None:
             scale = self.clip_scale(self.grad_sq_sum(p for p, _ in pairs))
@@ -495,11 +513,26 @@ class AdamW8bit(torch.optim.Optimizer):
         where = repr(group["param_names"][pi]) if "param_names" in group else f"{pi} of group {gi}"
         return f"parameter {where} (shape {tuple(p.shape)}, {p.dtype})"
 
+    @staticmethod
+    def _check_layout(p: torch.Tensor, s: dict, who: str) -> None:
+        """States are flat in the memory order of the parameter they were made for (channels-last,
+        a transposed view): with another layout the same flat index is another element, and 8-bit
+        blocks cannot be permuted, so a different layout is refused, not scrambled."""
+        want = s.get(MEMORY_ORDER, tuple(range(p.dim())))
+        have = _memory_order(p)
+        if have is not None and tuple(want) != have:
+            raise ValueError(
+                f"{who}: the optimizer state of a parameter of shape {tuple(p.shape)} was made with its "
+                f"dims in memory order {tuple(want)}, the parameter now has {have}; give it the layout "
+                "it had (e.g. .to(memory_format=...)) before stepping or loading"
+            )
+
     def _fit_loaded_state(self, p: torch.Tensor, s: dict, name: str) -> None:
         """Check (and adapt across param dtypes, in place) a loaded state for ``p``: the kernels
         take its tensors as they are, so a wrong dtype or size would fail or corrupt there."""
         if not s:
             return  # never stepped; _init_state fills it
+        self._check_layout(p, s, f"AdamW8bit.load_state_dict: {name}")
         numel, f32, u8 = p.numel(), torch.float32, torch.uint8
         nblocks = (numel + self.block_size - 1) // self.block_size
         if "qm" in s:

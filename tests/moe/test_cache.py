@@ -207,3 +207,20 @@ def test_a_prefetch_never_evicts_one_needed_sooner(mixtral_store):
     finally:
         cache.close()
         st.close()
+
+
+def test_a_mispredicted_prefetch_is_evictable_once_its_deadline_passed(mixtral_store):
+    _, d = mixtral_store
+    st = ExpertStore(d / "store")
+    cache = ExpertCache(st, 8, LRU(), io_workers=1)
+    c = MoeCounters()
+    try:
+        cache.prefetch(1, [0, 1, 2, 3], deadline=1, now=0, c=c)
+        cache.wait([r for r in cache.pending.values()], c)
+        cache.prefetch(2, [0, 1, 2, 3], deadline=2, now=0, c=c)      # fills the other 4
+        cache.wait([r for r in cache.pending.values()], c)
+        cache.prefetch(3, list(range(8)), deadline=100, now=99, c=c)  # both sets are long past
+        assert c.prefetch_dropped == 0 and all(k[0] == 3 for k in cache.slot_of)
+    finally:
+        cache.close()
+        st.close()

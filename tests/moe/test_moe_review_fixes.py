@@ -296,7 +296,7 @@ def test_reconverting_into_a_store_leaves_nothing_of_the_old_one(tiny_moe, tmp_p
     (other / "config.json").write_text("{}")
     with pytest.raises(Exception, match="holds other files and no expert store"):
         convert_checkpoint(tmp_path / "B", other)
-    with pytest.raises(Exception, match="holds other files and no expert store"):
+    with pytest.raises(Exception, match="model.path itself"):
         convert_checkpoint(tmp_path / "B", tmp_path / "B")       # out= the model's own dir
     assert (other / "config.json").read_text() == "{}" and (tmp_path / "B" / "config.json").is_file()
 
@@ -492,9 +492,26 @@ def test_store_whose_experts_differ_from_model_path_refused(kind, where, tiny_mo
     load_streamed(tmp_path / "store", model_path=tmp_path / "A").close()
 
 
-def test_store_of_other_dtype_than_model_path_refused(tiny_moe, tmp_path):
-    model = tiny_moe("qwen3_moe")
-    model.save_pretrained(tmp_path / "A")
-    convert_model(model.to(torch.bfloat16), tmp_path / "store")
-    with pytest.raises(StoreMismatchError, match="converted from other weights.*float32.*bfloat16"):
-        load_streamed(tmp_path / "store", model_path=tmp_path / "A")
+def test_review_fixes_in_place_convert_and_a_store_in_another_dtype(tiny_moe, tmp_path):
+    """Converting into model.path itself (or a model dir with a store's files in it) is refused
+    and deletes nothing; a store made from the same weights in bf16 serves an fp32 model.path."""
+    from lazytrain.moe import StoreError
+
+    model = tiny_moe("mixtral")
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    (hf / "tokenizer.json").write_text("{}")
+    for out in (hf, tmp_path / "hf" / "."):
+        with pytest.raises(StoreError, match="model.path itself|holds other files"):
+            convert_checkpoint(hf, out)
+    (hf / "index.json").write_text("{}")                       # a store's file left in it
+    with pytest.raises(StoreError, match="holds other files"):
+        convert_model(model, hf)
+    assert (hf / "tokenizer.json").is_file() and (hf / "generation_config.json").is_file()
+
+    convert_model(tiny_moe("mixtral").to(torch.bfloat16), tmp_path / "s16")
+    eng = load_streamed(tmp_path / "s16", model_path=hf)       # the same weights, rounded: served
+    eng.close()
+    with pytest.raises(Exception, match="other weights than model.path"):
+        convert_model(tiny_moe("mixtral", seed=5).to(torch.bfloat16), tmp_path / "other")
+        load_streamed(tmp_path / "other", model_path=hf)

@@ -332,3 +332,36 @@ def test_torch_compile_of_a_training_step_runs_the_step_eagerly():
             fn()
         results.append(model.weight.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+def test_review_fixes_duplicates_in_the_norm_bad_betas_and_another_layout():
+    """A parameter listed twice counts once in the clipping norm too; a beta of 1 set on a group
+    later fails before any step count moves; a state made for a channels-last parameter is refused
+    by one laid out otherwise (flat memory order: loaded as is, it scrambled the weights)."""
+    w0, g = _pair((4096,))
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    with pytest.warns(UserWarning):
+        twice = AdamW8bit([a, a], lr=1e-2, max_grad_norm=1.0)
+    once = AdamW8bit([b], lr=1e-2, max_grad_norm=1.0)
+    for _ in range(3):
+        a.grad, b.grad = g.clone(), g.clone()
+        twice.step(), once.step()
+    assert torch.equal(a, b)
+
+    once.param_groups[0]["betas"] = (1.0, 0.999)
+    b.grad = g.clone()
+    with pytest.raises(ValueError, match="betas must be in"):
+        once.step()
+    assert once.state[b]["step"] == 3
+
+    conv = torch.nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    opt = AdamW8bit(conv.parameters(), lr=1e-2, min_8bit_numel=64)
+    conv(torch.randn(1, 4, 6, 6)).sum().backward()
+    opt.step()
+    plain = torch.nn.Conv2d(4, 8, 3)
+    plain.load_state_dict(conv.state_dict())
+    other = AdamW8bit(plain.parameters(), lr=1e-2, min_8bit_numel=64)
+    with pytest.raises(ValueError, match="memory order"):
+        other.load_state_dict(opt.state_dict())
+    same = AdamW8bit(copy.deepcopy(conv).parameters(), lr=1e-2, min_8bit_numel=64)
+    same.load_state_dict(opt.state_dict())   # the same layout loads
