@@ -37,6 +37,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..storage.aligned_io import DiskIOError
+from ..storage.atomic import atomic_write_text  # noqa: F401 (callers use ckpt.atomic_write_text)
+from ..storage.atomic import fsync_path as _fsync_path
 from ..storage.filemode import share_like_umask
 
 LATEST = "latest"
@@ -45,33 +47,11 @@ STATE_SUM = "state_crc32"      # state.json: crc32 of the rest of state.json (ca
 _CHUNK = 4 << 20
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             _fsync_path(Path(dirpath) / name)
         _fsync_path(Path(dirpath))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # unique: several processes may write
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_path(path.parent)
-    except OSError as e:
-        raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -31,6 +31,7 @@ from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import DiskIOError
+from ..storage.atomic import keep_jsonl_rows
 from ..storage.filemode import share_like_umask
 from ..storage.tiers import remove_dead_scratch
 from . import checkpoint as ckpt
@@ -483,19 +484,7 @@ def keep_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
     """Keep the rows of JSONL `path` up to step `last_step` (a resume's checkpoint; 0: none) and
     return them: those of later steps, which a killed run wrote past its last checkpoint, are run
     again."""
-    if not path.exists():
-        return []
-    keep, rows = [], []
-    for ln in path.read_text().splitlines():
-        try:
-            rec = json.loads(ln)
-            if rec["step"] <= last_step:
-                keep.append(ln)
-                rows.append(rec)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass  # a line cut short by a crash
-    ckpt.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
-    return rows
+    return keep_jsonl_rows(path, lambda rec: rec["step"] <= last_step)
 
 
 def _progress(total: int, initial: int, enabled: bool):

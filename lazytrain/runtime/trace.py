@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..storage.aligned_io import DiskIOError
+from ..storage.atomic import keep_jsonl_rows
 
 EVENT_KINDS = ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h", "nvme_read", "nvme_write",
                "optimizer")
@@ -49,28 +49,7 @@ class Trace:
             return
         self.step_offset = steps_done
         self._fresh = False
-        try:
-            lines = self.path.read_text().splitlines()
-        except FileNotFoundError:
-            lines = []
-        except OSError as e:
-            raise DiskIOError(e.errno, f"read trace {self.path}: {e.strerror}") from e
-        keep = []
-        for ln in lines:
-            try:
-                step = json.loads(ln)["step"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue   # a line cut short by a kill
-            if not isinstance(step, int) or step < steps_done:
-                keep.append(ln)
-        if len(keep) == len(lines):
-            return   # (nothing to drop: the file is left as it is)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, self.path)   # a kill meanwhile leaves the old file, not half of it
-        except OSError as e:
-            raise DiskIOError(e.errno, f"write trace {self.path}: {e.strerror}") from e
+        keep_jsonl_rows(self.path, lambda ev: not isinstance(ev["step"], int) or ev["step"] < steps_done)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0

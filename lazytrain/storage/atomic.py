@@ -1,0 +1,55 @@
+"""Small files written so that a crash leaves the old content or the new, never half of either."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from .aligned_io import DiskIOError
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temp file, fsync and rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # unique: several processes may write
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except OSError as e:
+        raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
+
+
+def keep_jsonl_rows(path: Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """Rewrite JSONL `path` with the rows `keep` accepts (a resume drops those of the steps a killed
+    run wrote past its checkpoint; a line cut short by the kill goes too) and return them."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise DiskIOError(e.errno, f"read {path}: {e.strerror}") from e
+    kept, rows = [], []
+    for ln in lines:
+        try:
+            rec = json.loads(ln)
+            if keep(rec):
+                kept.append(ln)
+                rows.append(rec)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    atomic_write_text(path, "".join(ln + "\n" for ln in kept))
+    return rows
