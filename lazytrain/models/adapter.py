@@ -121,13 +121,41 @@ class _Captured(Exception):
         self.args_, self.kwargs_ = args, kwargs
 
 
-def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
-                 device: torch.device, attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
-    """The keyword arguments the model's own forward passes to every block for this input shape.
+class _Recorder(nn.Module):
+    """Stands in for a block while its arguments are captured: keeps them, passes the hidden on."""
 
-    Runs the base model with a zero `inputs_embeds` and stops at the first block's pre-hook,
-    so masks and rotary embeddings come from the family's own code (nothing re-implemented).
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        self.kwargs: dict[str, Any] | None = None
+        self.last = last
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.kwargs = dict(kwargs)
+        if self.last:   # stop before the final norm (whose weights may be streamed, not resident)
+            raise _Captured(args, kwargs)
+        return hidden
+
+
+def mixed_layer_types(parts: DecoderParts) -> bool:
+    """Whether blocks get different arguments by type (config.layer_types: sliding-window and full
+    attention layers, each with its own mask, and in some families its own rotary embedding)."""
+    types = getattr(parts.base.config, "layer_types", None) or ()
+    return len(set(types[:len(parts.blocks)])) > 1
+
+
+def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
+                 device: torch.device, attention_mask: torch.Tensor | None = None) -> list[dict[str, Any]]:
+    """The keyword arguments the model's own forward passes to each block for this input shape,
+    one dict per block (the same dict for all of them when every block gets the same ones).
+
+    Runs the base model with a zero `inputs_embeds`, so masks and rotary embeddings come from the
+    family's own code (nothing re-implemented): it stops at the first block's pre-hook, or, where
+    blocks differ by layer type (`mixed_layer_types`), runs with each block replaced by a recorder
+    for the duration (gave block 0's sliding or full mask to every block before: wrong gradients).
     """
+    if mixed_layer_types(parts):
+        return _per_block_kwargs(parts, batch, seq, dtype, device, attention_mask)
+
     def grab(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Captured(args, kwargs)
 
@@ -142,7 +170,27 @@ def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
         raise ModelStructureError(f"{type(parts.base).__name__}.forward never called its first block")
     finally:
         handle.remove()
-    return kwargs
+    return [kwargs] * len(parts.blocks)
+
+
+def _per_block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
+                      device: torch.device, attention_mask: torch.Tensor | None) -> list[dict[str, Any]]:
+    blocks = list(parts.blocks)
+    recorders = [_Recorder(last=i == len(blocks) - 1) for i in range(len(blocks))]
+    dummy = torch.zeros(batch, seq, parts.embed.embedding_dim, dtype=dtype, device=device)
+    try:
+        for i, r in enumerate(recorders):
+            parts.blocks[i] = r
+        with torch.no_grad():
+            parts.base(inputs_embeds=dummy, attention_mask=attention_mask, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        for i, b in enumerate(blocks):
+            parts.blocks[i] = b
+    if any(r.kwargs is None for r in recorders):
+        raise ModelStructureError(f"{type(parts.base).__name__}.forward did not call every block")
+    return [r.kwargs for r in recorders]
 
 
 def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:

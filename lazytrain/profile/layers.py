@@ -49,7 +49,7 @@ def measure_layers(spec: ModelSpec, batch_size: int, seq_len: int, compute_dtype
     parts = find_parts(model)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     B, S, tokens = batch_size, seq_len, batch_size * seq_len
-    kw = block_kwargs(parts, B, S, dtype, device)
+    kw = block_kwargs(parts, B, S, dtype, device)[0]   # (blocks of another layer type: same cost)
     ids = torch.randint(0, spec.vocab_size, (B, S), device=device)
 
     # On a CPU device every layer op in a step starts with cold caches: copies, updates and the

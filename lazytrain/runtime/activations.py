@@ -339,11 +339,15 @@ class ActivationStore:
         la = self.layers.pop(layer, None)
         if la is None:
             return
+        err: BaseException | None = None
         for rec in la.recs:
             if rec.counted:
                 self.acct.free(rec.counted, "boundary" if rec.tier == "device" else "activations_fetched")
             if rec.write is not None:
-                rec.write.result()  # surface write errors; the file is reused next micro-batch
+                try:
+                    rec.write.result()  # surface write errors; the file is reused next micro-batch
+                except BaseException as e:   # raised once the whole layer is released
+                    err = err or e
             # uncounted now, so gone now: whoever still holds the record (the executor's segment
             # inputs, until the micro-batch ends) must not keep its memory alive (on CUDA the
             # allocator's peak would see it)
@@ -354,6 +358,18 @@ class ActivationStore:
         self._unprotect(la.kept_recs)
         if la.file is not None:
             la.file.close()
+        if err is not None:
+            raise err
+
+    def clear(self) -> None:
+        """Forget every layer's saved tensors, as if each was released: what a micro-batch that
+        raised left behind (its next one, or the next step's backward, must not find them)."""
+        self.end_forward(-1)
+        for layer in list(self.layers):
+            try:
+                self.release(layer)
+            except Exception:   # noqa: BLE001 - a failed activation write: the step raises already
+                pass
 
     def close(self) -> None:
         for layer in list(self.layers):

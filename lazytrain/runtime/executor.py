@@ -232,6 +232,9 @@ class StreamingExecutor:
         self._synced = False
         self._pending: list[Future] = []
         self._grads_inflight: deque[Future] = deque()
+        self._accum_failed: set[int] = set()   # layers whose accumulation failed this step
+        # what the running micro-batch holds in the accountant (freed if it raises)
+        self._mb_held: dict[str, Any] | None = None
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.nvme_dir = nvme_dir
         self._router: RouterAux | None = None
@@ -292,6 +295,12 @@ class StreamingExecutor:
         self.compute_dtype = self.layers[1].layout.dtype if self.n_layers > 2 else self.layers[0].layout.dtype
         self.trainable = [bool(lay.params) and not self.lora and any(p.requires_grad for p in lay.params)
                           for lay in self.layers]
+        for lay in self.layers:   # (checked before any scratch space is made)
+            frozen = [self.param_names[id(p)] for p in lay.params if not p.requires_grad]
+            if self.trainable[lay.index] and frozen:
+                raise ValueError(f"{lay.name}: only some of its parameters are frozen ({frozen[:3]}"
+                                 f"{' and others' if len(frozen) > 3 else ''}); a layer trains all of its "
+                                 f"parameters or none: freeze whole layers, or none of it")
         # Borrowed weights get gradients in the borrower's backward, which must run before the
         # lender's (the head's before the embedding's): the lender sums both, then updates once.
         for lay in self.layers:
@@ -475,8 +484,8 @@ class StreamingExecutor:
             return loss / mb["n"]
         block = self.parts.blocks[i - 1]
         if ra is None or not ra.routers[i - 1]:
-            return run_block(block, x, mb["kw"])
-        out, logits = run_block_routed(block, x, mb["kw"], ra.routers[i - 1])
+            return run_block(block, x, mb["kw"][i - 1])
+        out, logits = run_block_routed(block, x, mb["kw"][i - 1], ra.routers[i - 1])
         # forward pass: with their graph if the layer keeps one (else recompute re-produces them);
         # the head computes from detached leaves so its backward yields their gradients
         prev = mb["rl"].get(i)
@@ -596,6 +605,9 @@ class StreamingExecutor:
                         self.acct.free(held, "grads")
                         held = 0
                     st.accumulate(list(pg), first, last, shared=borrowed)
+                except BaseException:
+                    self._accum_failed.add(i)   # this step's sum is incomplete: no update from it
+                    raise
                 finally:   # a failed accumulation leaves nothing counted (the step raises)
                     self.acct.free(held, "grads")
 
@@ -640,8 +652,13 @@ class StreamingExecutor:
         # `hp` is a snapshot taken when the update was queued: set_lr for the next step may run
         # while this step's updates are still landing (and the trace has moved on to it).
         st = self.states[i]
-        with self.trace.at_step(step):
-            st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
+        if i in self._accum_failed:
+            # (queued behind the failed accumulation, without clipping): its gradient is partial
+            # or stale, so the weights and AdamW state stay as they are; the step raises that error
+            st.cancel_prefetch()
+        else:
+            with self.trace.at_step(step):
+                st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
         if st.staging is not None:   # keep the read-ahead NVMe_STATE_SETS - 1 layers deep
             k = self._staged_pos[i] + NVME_STATE_SETS - 1
             if k < len(self._staged_order):
@@ -664,18 +681,21 @@ class StreamingExecutor:
     def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool) -> float:
         ids, labels = ids.to(self.device), labels.to(self.device)
         B, S = ids.shape
-        kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)
-        ctx = [t for v in kw.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
-               if isinstance(t, torch.Tensor)]
+        kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)   # one dict per block
+        ctx = list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
+                    for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+                    if isinstance(t, torch.Tensor)}.values())
         self.acts.resident_ptrs = {t.untyped_storage().data_ptr() for t in ctx}
         self.acts.resident_ptrs |= {p.untyped_storage().data_ptr() for p in self.adapter_params}
         ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
+        self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}   # (before: alloc may raise, counted)
         self.acct.alloc(ctx_bytes, "step_context")
         self._drain_grads(keep=0)   # forward windows hold no weight grads (as planned)
         mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False,
               # MoE router aux loss: per block its router logits (with graph), the head's leaf
               # copies, their gradients from the head, and the device bytes all of that holds
               "router": None, "rl": {}, "rl_leaf": {}, "rl_grad": {}, "rl_bytes": {}}
+        self._mb_held["rl"] = mb["rl_bytes"]
         if router_aux_enabled(self.parts):   # read per micro-batch, like the model's own forward
             if self._router is None:
                 self._router = router_aux(self.parts)
@@ -772,9 +792,7 @@ class StreamingExecutor:
                 live = self._track_live(live, g)
                 self.acts.release(i)
                 i -= 1
-        self.acct.free(ctx_bytes, "step_context")
-        self.acct.free(live, "live_boundary")
-        self.acct.free(sum(mb["rl_bytes"].values()), "router_logits")
+        self._end_micro_batch()   # step context, live boundary, router logits
         aux = mb.get("aux")
         return float(mb["loss"]), (float(aux) if aux is not None else None)
 
@@ -809,14 +827,31 @@ class StreamingExecutor:
         previous one)."""
         self.acct.free(live, "live_boundary")
         n = g.nbytes if g is not None else 0
+        if self._mb_held is not None:
+            self._mb_held["live"] = n   # (before: alloc may raise, counted)
         self.acct.alloc(n, "live_boundary")
         return n
+
+    def _end_micro_batch(self) -> None:
+        """Uncount what the micro-batch held (at its end, or when it raised) and forget the saved
+        tensors of layers it did not release (none after a whole backward)."""
+        held, self._mb_held = self._mb_held, None
+        if held is None:
+            return
+        self.acct.free(held["ctx"], "step_context")
+        self.acct.free(held["live"], "live_boundary")
+        self.acct.free(sum(held["rl"].values()), "router_logits")
+        self.acts.clear()
 
     # ---- a step --------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches` (list of (input_ids [B,S], labels [B,S]))."""
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
+        for k, (ids, labels) in enumerate(micro_batches):   # all of them, before any runs
+            if ids.dim() != 2 or ids.shape != labels.shape:
+                raise ValueError(f"micro-batch {k}: input_ids and labels must both be [B, S], "
+                                 f"got {tuple(ids.shape)} and {tuple(labels.shape)}")
         if self._synced:
             self._rebind()
         t0 = time.perf_counter()
@@ -826,23 +861,22 @@ class StreamingExecutor:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         n = len(micro_batches)
-        if self._staged_order:
-            # read while this step computes; queued behind the last step's updates (the staging
-            # state belongs to the optimizer thread)
-            self._pending.append(self.opt_pool.submit(self._prefetch_states))
         losses, auxes, tokens = [], [], 0
-        for k, (ids, labels) in enumerate(micro_batches):
-            if ids.dim() != 2 or ids.shape != labels.shape:
-                raise ValueError(f"micro-batch {k}: input_ids and labels must both be [B, S], "
-                                 f"got {tuple(ids.shape)} and {tuple(labels.shape)}")
-            loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1)
-            losses.append(loss)
-            if aux is not None:
-                auxes.append(aux)
-            tokens += ids.numel()
-        for f in self._pending:
-            f.result()
-        self._pending.clear()
+        try:
+            if self._staged_order:
+                # read while this step computes; queued behind the last step's updates (the staging
+                # state belongs to the optimizer thread)
+                self._pending.append(self.opt_pool.submit(self._prefetch_states))
+            for k, (ids, labels) in enumerate(micro_batches):
+                loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1)
+                losses.append(loss)
+                if aux is not None:
+                    auxes.append(aux)
+                tokens += ids.numel()
+            self._wait_pending()
+        except BaseException:
+            self._abort_step()
+            raise
         norm_t = grad_norm = None
         if self.max_grad_norm is not None:   # norms are needed (and computed) only for clipping
             norms = [n for st in self.states if st is not None for n in st.norms]
@@ -888,6 +922,45 @@ class StreamingExecutor:
                           predicted_device_peak_bytes=self.predicted_device_peak_bytes,
                           accounted_peak_bytes=int(peak),
                           aux_loss=sum(auxes) / len(auxes) if auxes else None)
+
+    def _wait_pending(self) -> None:
+        """Wait for all of this step's queued accumulations (and state reads); raise the first
+        error once all are done. The list is taken first: a failed one is never waited for again."""
+        pending, self._pending = self._pending, []
+        err: BaseException | None = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def _abort_step(self) -> None:
+        """A step raised: leave nothing of it behind, so the next step starts clean. (Without
+        clipping, layers whose update already ran keep it; none ran with clipping.)"""
+        try:
+            self._end_micro_batch()   # the micro-batch that raised, if one did
+        finally:
+            pending, self._pending = self._pending, []
+            for f in (*pending, *self._grads_inflight):
+                f.exception()   # wait (the step raises its own error)
+            self._grads_inflight.clear()
+            for lay in self.layers:   # updates queued in this step (no clipping) are over
+                if lay.ready is not None:
+                    lay.ready.exception()
+            self._accum_failed.clear()
+            self.borrowed_grads.clear()
+            for st in self.states:   # this step's partial gradient sums are dropped
+                if st is not None:
+                    st.has_grad = False
+                    st.norms = []
+                    st._direct = None
+                    if st.staging is not None:
+                        self.opt_pool.submit(st.cancel_prefetch).result()
+            self._step_adapters(None, skip=True)   # adapter grads: dropped and uncounted
+            self.streamer.invalidate()   # fetched copies may predate an update that ran
+            self.trace.step = -1
 
     @property
     def predicted_device_peak_bytes(self) -> int:

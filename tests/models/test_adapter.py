@@ -23,8 +23,8 @@ def test_layer_by_layer_forward_equals_the_model(family, lora):
         want = model(input_ids=ids, labels=labels).loss
         kw = block_kwargs(parts, *ids.shape, torch.float32, torch.device("cpu"))
         h = parts.embed(ids)
-        for b in parts.blocks:
-            h = run_block(b, h, kw)
+        for b, k in zip(parts.blocks, kw, strict=True):
+            h = run_block(b, h, k)
         got = head_loss(parts, h, labels)
     assert torch.equal(got, want)
     # every parameter belongs to exactly one execution-order layer
