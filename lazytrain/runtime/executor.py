@@ -197,6 +197,10 @@ class StreamingExecutor:
         self.n_layers = len(names)
         self.decisions = list(plan.layers)
         self.lora = hasattr(model, "peft_config")
+        if optimizer == "adamw8bit" and not self.lora and any(d.optimizer_tier != "host" for d in self.decisions):
+            # (before any storage is made: refused late, the weights were already written to NVMe)
+            raise ValueError("optimizer=adamw8bit keeps its 8-bit states on the host; the plan puts "
+                             "optimizer state on nvme")
         self.hp: dict[str, Any] = {"lr": float(lr), "betas": tuple(betas), "eps": float(eps),
                                    "weight_decay": float(weight_decay), "fused": bool(fused)}
         self.max_grad_norm = max_grad_norm
@@ -241,6 +245,13 @@ class StreamingExecutor:
         if router_aux_enabled(self.parts):
             self._router = router_aux(self.parts)
 
+        try:
+            self._set_up(plan, optimizer, names)
+        except BaseException:
+            self._close_partial()   # a constructor that fails leaves no scratch files or threads
+            raise
+
+    def _set_up(self, plan: Plan, optimizer: str, names: list[str]) -> None:
         self._build_layers()
         # (probed before _init_storage moves the weights into the streamer's buffers)
         self.embed_bwd_weights = embedding_backward_reads_weights(self.parts, self.layers[0].params)
@@ -256,6 +267,20 @@ class StreamingExecutor:
         self._init_storage()
         self.acts = ActivationStore(self.device, self.acct, self.trace, self.nvme_root, self.pool, names)
         self._init_optimizer(optimizer)
+
+    def _close_partial(self) -> None:
+        """What a failed constructor made so far, closed (as close() would, without waiting for steps)."""
+        for name in ("streamer", "acts", "nvme", "scratch", "host"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:   # (the constructor's own error is the one to report)
+                    pass
+        for name in ("opt_pool", "publish_io", "pool", "state_io"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.shutdown()   # (waits: the default of both pool kinds)
 
     # ---- setup ---------------------------------------------------------------------------
     def _build_layers(self) -> None:
@@ -391,9 +416,6 @@ class StreamingExecutor:
             except ImportError:
                 raise ValueError("optimizer=adamw8bit needs lazytrain.optim.AdamW8bit, which is not "
                                  "available in this build; use optimizer=adamw") from None
-            if any(d.optimizer_tier != "host" for d in self.decisions):
-                raise ValueError("optimizer=adamw8bit keeps its 8-bit states on the host; the plan puts "
-                                 "optimizer state on nvme")
             self.opt8 = {}
             for st in self.states:
                 if st is not None:

@@ -181,3 +181,27 @@ def test_partly_frozen_layer_is_refused(tmp_path):
     after = ex.trainable_state()
     assert all(torch.equal(after[n], v) for n, v in before.items())
     ex.close()
+
+
+def test_a_constructor_that_fails_leaves_no_scratch_or_threads(tmp_path):
+    """The 8-bit + NVMe-optimizer refusal came after the weights were written to NVMe, and a budget
+    refusal while placing weights left the scratch dir, its files, lock and I/O threads until the
+    process exited (three tries: three dirs, 2.4 MB)."""
+    import threading
+
+    from lazytrain.runtime import DeviceBudgetExceeded
+    from lazytrain.runtime.testing import hand_plan, hardware_for_tests, plan_families, tiny_model
+
+    model = tiny_model("llama")
+    threads = threading.active_count()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="adamw8bit keeps its 8-bit states on the host"):
+            StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)["params_nvme"]),
+                              device="cpu", nvme_dir=tmp_path / "a", optimizer="adamw8bit")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(DeviceBudgetExceeded):
+        StreamingExecutor(copy.deepcopy(model), hand_plan(3, activation_tier="nvme",
+                          hardware=hardware_for_tests(device_memory_gib=1e-4)), device="cpu", nvme_dir=tmp_path / "b")
+    assert not (tmp_path / "a").exists() or not list((tmp_path / "a").iterdir())
+    assert not list((tmp_path / "b").iterdir())
+    assert threading.active_count() == threads
