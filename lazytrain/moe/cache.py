@@ -95,7 +95,7 @@ class ExpertCache:
         self._threads = [threading.Thread(target=_io_worker, args=(ref, self._wake),
                                           name=f"lazytrain-moe-io{i}", daemon=True)
                          for i in range(max(1, io_workers))]
-        weakref.finalize(self, _wake_all, self._wake, len(self._threads))
+        self._stop = weakref.finalize(self, _wake_all, self._wake, len(self._threads))
         for t in self._threads:
             t.start()
 
@@ -355,8 +355,7 @@ class ExpertCache:
 
     def close(self) -> None:
         self._closed = True
-        for _ in self._threads:
-            self._wake.put(False)
+        self._stop()   # wakes every worker to exit (at most once, here or when collected)
         for t in self._threads:
             t.join(timeout=5)
 

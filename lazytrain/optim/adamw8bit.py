@@ -75,6 +75,16 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return perm if t.permute(perm).is_contiguous() else None
 
 
+def _once(pairs: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
+    """(param, group) pairs with each parameter once, first listing kept: one listed twice is
+    updated and counted in the clipping norm once (torch warns, then updates it twice; the kernels
+    would run both copies at once on the same buffers)."""
+    first: dict[int, tuple[torch.Tensor, dict]] = {}
+    for p, g in pairs:
+        first.setdefault(id(p), (p, g))
+    return list(first.values())
+
+
 def _flat(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """`t` as one flat tensor in the memory order of `like` (default: its own): a view of the
     parameter (the kernels update its storage in place), a copy only for a gradient laid out
@@ -300,7 +310,7 @@ class AdamW8bit(torch.optim.Optimizer):
         ``clip_scale`` multiplies every gradient inside the fused pass (from :meth:`clip_scale`);
         None means the step is skipped (non-finite norm) and nothing is touched.
         """
-        self._step_pairs([(p, self._group_of(p)) for p in params], clip_scale)
+        self._step_pairs(_once([(p, self._group_of(p)) for p in params]), clip_scale)
 
     def _step_pairs(self, pairs: list[tuple[torch.Tensor, dict]], clip_scale: float | None) -> None:
         """Update each param with the settings of the group paired with it (see step_params)."""
@@ -315,14 +325,12 @@ class AdamW8bit(torch.optim.Optimizer):
         # first, in a temporary (rare: only such spikes pay the extra pass).
         prescale = 0.0 < clip < PRESCALE_CLIP_BELOW
         work: dict[tuple[torch.device, bool], list] = defaultdict(list)
-        seen: set[int] = set()
         checked: set[int] = set()
         # Everything is checked before any step count moves: an error leaves the optimizer as it
         # was (a retried step would otherwise bias-correct for a step its moments never saw).
-        for p, group in pairs:
-            if p.grad is None or id(p) in seen:
-                continue   # a parameter listed twice is updated once (torch warns, then updates it twice)
-            seen.add(id(p))
+        for p, group in pairs:   # (each parameter once: step and step_params pass them through _once)
+            if p.grad is None:
+                continue
             if id(group) not in checked:   # options set on a group after it was added (maximize, ...)
                 self._check_group(group)
                 checked.add(id(group))
@@ -424,12 +432,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs, seen = [], set()
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None and id(p) not in seen:   # a parameter listed twice: once,
-                    seen.add(id(p))                            # in the clipping norm too
-                    pairs.append((p, g))
+        pairs = _once([(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None])
         scale: float | None = 1.0
         if self.max_grad_norm is not None:
             scale = self.clip_scale(self.grad_sq_sum(p for p, _ in pairs))

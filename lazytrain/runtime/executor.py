@@ -268,19 +268,25 @@ class StreamingExecutor:
         self.acts = ActivationStore(self.device, self.acct, self.trace, self.nvme_root, self.pool, names)
         self._init_optimizer(optimizer)
 
+    # What close() releases, in order (threads before the files they use; the scratch dir is our
+    # own subdirectory); a failed constructor releases what it made so far.
+    _RESOURCES = (("streamer", "close"), ("acts", "close"), ("opt_pool", "shutdown"),
+                  ("publish_io", "shutdown"), ("pool", "shutdown"), ("state_io", "shutdown"),
+                  ("nvme", "close"), ("scratch", "close"), ("host", "close"))
+
+    def _release(self, quiet: bool = False) -> None:
+        for name, method in self._RESOURCES:
+            obj = getattr(self, name, None)
+            if obj is None:
+                continue
+            try:
+                getattr(obj, method)()   # (pools' shutdown waits by default)
+            except Exception:
+                if not quiet:
+                    raise
+
     def _close_partial(self) -> None:
-        """What a failed constructor made so far, closed (as close() would, without waiting for steps)."""
-        for name in ("streamer", "acts", "nvme", "scratch", "host"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception:   # (the constructor's own error is the one to report)
-                    pass
-        for name in ("opt_pool", "publish_io", "pool", "state_io"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                obj.shutdown()   # (waits: the default of both pool kinds)
+        self._release(quiet=True)   # (the constructor's own error is the one to report)
 
     # ---- setup ---------------------------------------------------------------------------
     def _build_layers(self) -> None:
@@ -1096,16 +1102,5 @@ class StreamingExecutor:
                 if st is not None:
                     st.flush()   # write-backs land (or raise) before the files go
         finally:
-            self.streamer.close()
-            self.acts.close()
-            self.opt_pool.shutdown(wait=True)
-            self.publish_io.shutdown()
-            self.pool.shutdown()
-            if getattr(self, "state_io", None) is not None:
-                self.state_io.shutdown()
-            if self.nvme is not None:
-                self.nvme.close()
-            if getattr(self, "scratch", None) is not None:   # our own subdirectory: scratch only
-                self.scratch.close()
-            self.host.close()
+            self._release()
             self.trace.flush()
