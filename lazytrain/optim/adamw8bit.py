@@ -90,6 +90,8 @@ def _flat(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     parameter (the kernels update its storage in place), a copy only for a gradient laid out
     differently from its parameter. The update is elementwise, so any order serves, as long as
     parameter, gradient and states agree on it."""
+    if t.is_contiguous() and (like is None or like is t or like.is_contiguous()):
+        return t.view(-1)   # the common case, without the permute below (it runs per tensor per step)
     ref = t if like is None else like
     perm = _memory_order(ref)
     if perm is None:
@@ -369,7 +371,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     [s["qm"] for _, _, s, _ in items], [s["qv"] for _, _, s, _ in items],
                     [s["absmax_m"] for _, _, s, _ in items], [s["absmax_v"] for _, _, s, _ in items],
                     h, clip, self.block_size, t.code_s, t.code_u,
-                    torch.stack([t.m.shift, t.m.half, t.m.bias, t.v.shift, t.v.half, t.v.bias]),
+                    t.qtab,
                     t.m.exp_lo, t.v.exp_lo, True,
                 )  # fmt: skip
             else:
@@ -521,6 +523,8 @@ class AdamW8bit(torch.optim.Optimizer):
         """States are flat in the memory order of the parameter they were made for (channels-last,
         a transposed view): with another layout the same flat index is another element, and 8-bit
         blocks cannot be permuted, so a different layout is refused, not scrambled."""
+        if MEMORY_ORDER not in s and p.is_contiguous():
+            return   # made for a contiguous parameter, which it still is
         want = s.get(MEMORY_ORDER, tuple(range(p.dim())))
         have = _memory_order(p)
         if have is not None and tuple(want) != have:

@@ -25,11 +25,13 @@ class Tables:
     v: qmap.ExpMap
     code_s: torch.Tensor
     code_u: torch.Tensor
+    qtab: torch.Tensor   # int32 [6, 32]: shift, half, bias of m then of v (the C++ kernel's table)
 
     @staticmethod
     def on(device: torch.device | str) -> "Tables":
         ms, mu = qmap.exp_map(True), qmap.exp_map(False)
-        return Tables(ms, mu, ms.code.to(device), mu.code.to(device))
+        qtab = torch.stack([ms.shift, ms.half, ms.bias, mu.shift, mu.half, mu.bias]).contiguous()
+        return Tables(ms, mu, ms.code.to(device), mu.code.to(device), qtab)
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
