@@ -1,14 +1,16 @@
 """Turn measurements into a hardware profile YAML that `hardware=measured` loads.
 
 The YAML holds exactly the HardwareSpec keys (so the planner reads it like any hardware config);
-capacities not measured (device/host memory) come from the base hardware config the user named, or
-from the machine (host RAM, free space under the NVMe dir). The raw figures (per-layer times,
-pinned/pageable, O_DIRECT or not) go to a JSON file next to it.
+the device type is the one timed; capacities come from the machine (host RAM, free space under the
+NVMe dir, a CUDA device's memory) or, where not measured (a CPU device's planned budget, reserves),
+from the base hardware config the user named. The raw figures (per-layer times, pinned/pageable,
+O_DIRECT or not) go to a JSON file next to it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
@@ -27,16 +29,43 @@ def host_memory_gib() -> float | None:
         return None
 
 
+def cuda_memory_gib(device) -> float:
+    """The CUDA device's total memory (what `torch.cuda.mem_get_info` reports)."""
+    import torch
+
+    return torch.cuda.mem_get_info(device)[1] / 2**30
+
+
 def measured_spec(base: HardwareSpec, copies: CopyRates, disk: DiskRates | None,
                   peak_tflops: float, layers: list[LayerTime] | None,
-                  host_optimizer_gbps: float | None = None) -> HardwareSpec:
+                  host_optimizer_gbps: float | None = None,
+                  device_memory_gib: float | None = None) -> HardwareSpec:
     """`base` with every measured field replaced. `host_optimizer_gbps` (a timed host update,
     links.measure_host_optimizer) sets host_memory_gbps; without it, on a CPU-only machine the
-    copy rate stands in for it (an underestimate: a fused update streams ~2.5x faster here)."""
+    copy rate stands in for it (an underestimate: a fused update streams ~2.5x faster here).
+
+    The device is the one timed (`copies.device`), whatever the base says: `lazytrain profile`
+    on a GPU machine with the default `hardware=cpu` base must not write `device_type: cpu` (a
+    plan that charges the GPU's copies to compute, and a run that trains on the CPU). On CUDA the
+    device memory is `device_memory_gib` (the card's total, `cuda_memory_gib`); on a CPU device it
+    is the base's planned budget. A CUDA profile needs that figure where the base is a CPU one."""
+    kind = copies.device.split(":")[0]
     h2d = copies.h2d_pinned_gbps or copies.h2d_pageable_gbps
     d2h = copies.d2h_pinned_gbps or copies.d2h_pageable_gbps
     upd: dict[str, Any] = dict(name="measured", h2d_gbps=round(h2d, 3), d2h_gbps=round(d2h, 3),
-                               device_tflops=round(peak_tflops, 4))
+                               device_tflops=round(peak_tflops, 4), device_type=kind,
+                               # a CPU device runs the host optimizer on the cores that compute
+                               optimizer_overlaps_compute=kind != "cpu")
+    if kind == "cuda":
+        if device_memory_gib is not None:
+            upd["device_memory_gib"] = math.floor(device_memory_gib * 10) / 10   # (never above it)
+        elif base.device_type != "cuda":
+            raise ValueError(f"the profile times a CUDA device but its device memory was not given "
+                             f"and base hardware {base.name!r} is a {base.device_type} profile whose "
+                             f"budget ({base.device_memory_gib} GiB) says nothing of the GPU; pass "
+                             f"device_memory_gib or a CUDA base (hardware=h200, rtx3090, ...)")
+        if base.device_type != "cuda":   # a CPU base's workspace (0.25 GiB) cannot hold a CUDA context
+            upd["workspace_gib"] = max(base.workspace_gib, HardwareSpec.workspace_gib)
     if host_optimizer_gbps:
         upd["host_memory_gbps"] = round(host_optimizer_gbps, 3)
     elif copies.device == "cpu":
@@ -71,7 +100,7 @@ def write_profile(spec: HardwareSpec, yaml_path: Path, details: dict[str, Any]) 
 
 
 def details_dict(copies: CopyRates, disk: DiskRates | None, peak_tflops: float,
-                 layers: list[LayerTime] | None, model_name: str, batch_size: int,
+                 layers: list[LayerTime] | None, model_name: str | None, batch_size: int,
                  seq_len: int, compute_dtype: str, host_optimizer_gbps: float | None = None,
                  optimizer_state_bits: int | None = None) -> dict[str, Any]:
     return {
@@ -120,7 +149,13 @@ def profile_machine(base: HardwareSpec, model, job, device, nvme_dir: str, size:
     opt_gbps = measure_host_optimizer(job, repeats=max(2, repeats))
     say(f"  host optimizer update ({job.optimizer_state_bits}-bit states) {opt_gbps:.1f} GB/s of "
         f"optimizer traffic")
-    spec = measured_spec(base, copies, disk, peak, layers, opt_gbps)
-    details = details_dict(copies, disk, peak, layers, model.name, job.batch_size, job.seq_len, dtype,
-                           opt_gbps, job.optimizer_state_bits)
+    mem = cuda_memory_gib(device) if device.type == "cuda" else None
+    if device.type != base.device_type:
+        say(f"  the device timed is {device.type}, base hardware {base.name} is {base.device_type}: "
+            f"device_type and optimizer overlap come from the device timed, "
+            + (f"device memory too ({mem:.1f} GiB, the card's total)" if mem is not None else
+               f"device memory is the base's {base.device_memory_gib} GiB (the planned budget)"))
+    spec = measured_spec(base, copies, disk, peak, layers, opt_gbps, device_memory_gib=mem)
+    details = details_dict(copies, disk, peak, layers, model.name if layers else None, job.batch_size,
+                           job.seq_len, dtype, opt_gbps, job.optimizer_state_bits)
     return spec, details

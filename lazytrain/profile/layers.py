@@ -44,6 +44,11 @@ def measure_layers(spec: ModelSpec, batch_size: int, seq_len: int, compute_dtype
     hf = dict(spec.hf_config)
     n_blocks = min(max_blocks, spec.num_layers)
     hf["num_hidden_layers"] = n_blocks  # weights of only the blocks we time
+    # ... and the per-layer lists cut alike (`layer_types`, which transformers >= 4.53 writes into
+    # every Qwen2/Qwen3 config, and e.g. `no_rope_layers`): a config checks their length
+    for k, v in hf.items():
+        if isinstance(v, list) and len(v) == spec.num_layers:
+            hf[k] = v[:n_blocks]
     cfg = AutoConfig.for_model(hf.pop("model_type"), **hf)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
     parts = find_parts(model)

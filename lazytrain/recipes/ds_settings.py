@@ -30,6 +30,10 @@ DS_JOB_KEYS = {
     "amp": "job.compute_dtype",
     "torch_autocast": "job.compute_dtype",
     "lazytrain": "the plan (its recompute decisions)",
+    # the blocks recompute through Hugging Face's checkpointing as the plan says, never through
+    # deepspeed.checkpointing: a section here would be accepted and never used
+    "activation_checkpointing": "the plan's recompute decisions, from hardware.device_memory_gib; run by "
+                                "Hugging Face checkpointing, which this section does not configure",
 }
 
 
@@ -94,11 +98,14 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
         problems.append(f"{', '.join(bad)} come(s) from lazytrain's own settings (the same job on every "
                         f"engine); set them there and remove them from the DeepSpeed settings")
     zero = over.get("zero_optimization")
-    if isinstance(zero, dict) and zero.get("stage", 3) != 3:
+    # compared as text: DeepSpeed takes "3" as well as 3 (and _ds_clean made 3.0 an int)
+    if isinstance(zero, dict) and str(zero.get("stage", 3)).strip() != "3":
         problems.append(f"zero_optimization.stage={zero['stage']}: lazytrain runs DeepSpeed with ZeRO "
                         f"stage 3 (its checkpoint, resume and final-model paths are built and tested for it)")
     if problems:   # all at once: a user should not find the next one on the next try
         raise ConfigError("deepspeed: " + "; and ".join(problems))
+    if isinstance(zero, dict) and "stage" in zero:
+        zero["stage"] = 3   # (the number: code reading the config compares it as one)
     return over
 
 

@@ -379,7 +379,7 @@ def job_identity(cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> dict[str
             if not k.startswith("_") and k not in ("transformers_version", "torch_dtype", "dtype",
                                                    "use_cache", "architectures", "name_or_path")}
     return {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
-            "dataset": {"sequences": len(ds), "seq_len": ds.seq_len},
+            "dataset": {"sequences": len(ds), "seq_len": ds.seq_len, "fingerprint": ds.fingerprint},
             "optimizer_state_bits": pre.job.optimizer_state_bits, "master_dtype": pre.job.master_dtype,
             "model_config": json.loads(json.dumps(arch, sort_keys=True, default=str))}
 
@@ -397,10 +397,20 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
                           f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}); use the same "
                           f"model or a new output_dir")
     for k, v in want.items():
-        if k == "model_config":
+        if k == "model_config" or k not in state:
             continue
-        if k in state and state[k] != v:
-            raise ConfigError(f"cannot resume: the checkpoint was written with {k}={state[k]}, this run has "
+        had = state[k]
+        if k == "dataset" and isinstance(had, dict):
+            # the fingerprint after the count and seq_len (which keep their message), and only
+            # where the checkpoint has one (those written before it was recorded resume as before)
+            had, v = dict(had), dict(v)
+            then, now = had.pop("fingerprint", None), v.pop("fingerprint")
+            if had == v and then is not None and then != now:
+                raise ConfigError(f"cannot resume: the checkpoint was trained on other data (token "
+                                  f"fingerprint {then}, this run's {now}: other files, contents or order, "
+                                  f"tokenizer or data fields); use the same data or a new output_dir")
+        if had != v:
+            raise ConfigError(f"cannot resume: the checkpoint was written with {k}={had}, this run has "
                               f"{k}={v}; use the same settings or a new output_dir")
 
 
