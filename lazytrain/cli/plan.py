@@ -15,7 +15,9 @@ Exit codes: 0 ok, 2 infeasible or bad input (nothing written).
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,23 +62,88 @@ def _print_plan(plan) -> None:
     render(plan, Console(width=120))
 
 
+def _check_output(path: str | None, flag: str) -> None:
+    """ConfigError unless a file can be written at `path`: checked before solving, so that a typo
+    costs no solve and a bad path is one line, not a traceback after the plan was printed. The
+    nearest existing folder is probed with a temporary file (permission bits do not say it all:
+    root may 'write' /proc)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p} is a directory; give a file path")
+    folder = p.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {p}: {folder} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {p}: cannot write in {folder} ({e.strerror or e})") from None
+
+
+def _check_plot_format(path: str | None) -> None:
+    """ConfigError for a --plot extension matplotlib cannot write (checked before anything is
+    solved or written; no extension: matplotlib writes a PNG)."""
+    ext = Path(path).suffix.lstrip(".").lower() if path else ""
+    if not ext:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if ext not in formats:
+        raise ConfigError(f"--plot {path}: format {ext!r} is not supported; use one of {', '.join(formats)}")
+
+
+def _write_outputs(plan, json_path: str | None, plot_path: str | None) -> list[str]:
+    """Write --json and --plot, both or neither: a failure (ConfigError, one line) removes what
+    was already written. The JSON goes to a temporary file first and is renamed last."""
+    from ..plan.plot import plot_plan
+    from ..storage.filemode import new_file_mode
+    done: list[Path] = []
+    tmp = None
+    try:
+        if json_path:
+            out = Path(json_path)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+            os.fchmod(fd, new_file_mode())   # as write_text made it (mkstemp's 0600 hides it from others)
+            with os.fdopen(fd, "w") as f:
+                f.write(plan.to_json())
+        if plot_path:
+            done.append(plot_plan(plan, plot_path))
+        if tmp is not None:
+            os.replace(tmp, json_path)
+            tmp = None
+            done.insert(0, Path(json_path))
+    except OSError as e:
+        for f in done:
+            f.unlink(missing_ok=True)
+        what = f" {e.filename}" if getattr(e, "filename", None) else ""
+        raise ConfigError(f"cannot write{what}: {e.strerror or e}; nothing written") from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return [str(f) for f in done]
+
+
 def cmd_plan(args: list[str]) -> int:
     from ..plan import plan_job
     json_path = _pop_flag(args, "--json")
     plot_path = _pop_flag(args, "--plot")
+    # bad output paths are found before the solve (and before anything is written)
+    _check_output(json_path, "--json")
+    _check_output(plot_path, "--plot")
+    _check_plot_format(plot_path)
     model, hw, job, opts, use_cache, cache_dir = _inputs(args)
     plan = plan_job(model, hw, job, opts, cache_dir=cache_dir, use_cache=use_cache)
     if not plan.fits:
         print("infeasible: " + "\n".join(plan.explanation), file=sys.stderr)
         return 2
     _print_plan(plan)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(plan.to_json())
-        print(f"wrote {json_path}")
-    if plot_path:
-        from ..plan.plot import plot_plan
-        print(f"wrote {plot_plan(plan, plot_path)}")
+    for f in _write_outputs(plan, json_path, plot_path):
+        print(f"wrote {f}")
     return 0
 
 
@@ -85,13 +152,15 @@ def cmd_show(args: list[str]) -> int:
     plot_path = _pop_flag(args, "--plot")
     if len(args) != 1:
         raise ConfigError("usage: lazytrain plan show PLAN.json [--plot PATH.png]")
+    _check_output(plot_path, "--plot")
+    _check_plot_format(plot_path)
     plan = Plan.load(args[0])
     _print_plan(plan)
     if plot_path:
         if not plan.layers:
             raise ConfigError(f"{args[0]} is a plan with status {plan.status}: it has no layers to plot")
-        from ..plan.plot import plot_plan
-        print(f"wrote {plot_plan(plan, plot_path)}")
+        for f in _write_outputs(plan, None, plot_path):
+            print(f"wrote {f}")
     return 0
 
 
@@ -200,4 +269,8 @@ def main(argv: list[str]) -> int:
         return cmd_plan(args)
     except (ConfigError, ModelConfigError, ValueError) as e:
         print(f"lazytrain plan: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # a file the command reads or writes: one line, not a traceback
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"lazytrain plan: {where}{e.strerror or e}", file=sys.stderr)
         return 2

@@ -116,10 +116,23 @@ def optimizer_traffic_per_param(job: JobSpec) -> float:
     return 2 * (job.master_bytes + job.optimizer_state_bytes_per_param) + min(4, job.master_bytes) + job.compute_bytes
 
 
+def check_lora_targets(model: ModelSpec, targets: tuple[str, ...]) -> None:
+    """ValueError naming the LoRA targets that match no linear layer of `model` (the last part of
+    a linear's name, as PEFT matches them), and the names it has: a typo (`qproj`) would otherwise
+    plan a job that trains 0 adapter parameters."""
+    names = sorted({lin.name.split(".")[-1] for layer in model.layers for lin in layer.linears})
+    missing = [t for t in targets if t not in names]
+    if missing or not targets:
+        raise ValueError(f"job.lora_targets {missing or list(targets)} match no linear layer of {model.name}; "
+                         f"its linear layers: {', '.join(names)}")
+
+
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     tokens = job.tokens_per_micro_batch
     cb = job.compute_bytes
     full = job.mode == "full"
+    if not full:
+        check_lora_targets(model, job.lora_targets)
     flops = hw.achieved_flops_per_s
     # fp32 master (or none if master dtype == compute dtype and fp32) + moments
     opt_per_param = job.master_bytes + job.optimizer_state_bytes_per_param

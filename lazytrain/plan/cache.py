@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from ..spec.tier import Tier
 from ..storage.filemode import new_file_mode
 from .plan import Plan
+from .plan import input_hash as hash_of_inputs
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +21,35 @@ log = logging.getLogger(__name__)
 TIERS = tuple(t.value for t in Tier)
 
 
-def _damage(plan: Plan) -> str:
+def _damage(plan: Plan, asked_hash: str | None = None) -> str:
     """What makes a parsed cache entry unusable ('' if nothing): valid JSON whose contents a bit
-    flip or a hand edit broke would otherwise be served as the plan."""
-    if set(plan.predicted.peak_bytes) != {"device", "host", "nvme"}:
+    flip or a hand edit broke would otherwise be served as the plan. `asked_hash`: the input hash
+    the entry is served for, which its own inputs (model config, hardware, job, options, method)
+    must hash to: its stored `input_hash` alone does not vouch for them (another job's settings
+    edited in kept it)."""
+    if asked_hash is not None:
+        from .solve import versions   # (solve imports this module)
+        own = hash_of_inputs(plan.model_config, plan.hardware, plan.job, plan.options, plan.method, versions())
+        if own != asked_hash:
+            return "its model, hardware, job or options are not the ones asked for"
+    peaks = plan.predicted.peak_bytes
+    if set(peaks) != {"device", "host", "nvme"}:
         return "predicted peaks are not device/host/nvme"
+    if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) and b >= 0
+               for b in peaks.values()):
+        return f"predicted peaks {dict(peaks)} are not byte counts >= 0"
     if not plan.fits:
         return ""
+    t = plan.predicted.step_time_s
+    if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
+        return f"predicted step time {t!r} s"
+    hw = plan.hardware
+    # capacities as job_costs has them (a CPU device's budget comes out of host RAM); the slack
+    # covers the solver's feasibility tolerance (memory rows are in GiB: ~1e-7 GiB)
+    host_cap = hw.host_usable_bytes - (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
+    for tier, cap in (("device", hw.device_memory_bytes), ("host", host_cap), ("nvme", hw.nvme_capacity_bytes)):
+        if peaks[tier] > cap * (1 + 1e-6) + 4096:
+            return f"predicted {tier} peak {peaks[tier]} bytes above its capacity ({max(cap, 0)} bytes)"
     n = plan.model_config.get("num_hidden_layers")
     if len(plan.layers) < 3 or (isinstance(n, int) and len(plan.layers) != n + 2):
         return f"{len(plan.layers)} layers for a model of {n} blocks"
@@ -57,13 +81,16 @@ class PlanCache:
             return None
         try:
             plan = Plan.from_json(p.read_text())
+        except OSError as e:   # e.g. another user's entry this one may not read: the cache only saves time
+            log.warning("ignoring unreadable plan cache entry %s (%s); re-solving", p, e.strerror or e)
+            return None
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
             log.warning("ignoring corrupt plan cache entry %s (%s); re-solving", p, e)
             return None
         if plan.input_hash != input_hash:
             log.warning("ignoring plan cache entry %s: hash mismatch; re-solving", p)
             return None
-        why = _damage(plan)
+        why = _damage(plan, input_hash)
         if why:
             log.warning("ignoring damaged plan cache entry %s (%s); re-solving", p, why)
             return None

@@ -105,9 +105,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                allow_nvme: bool = True, pins: Pins | None = None, solver: str = "auto",
                time_limit_s: float = 30.0, mip_gap: float = 1e-3,
                minimize: str = "time", device_capacity_bytes: int | None = None,
-               symmetry_breaking: bool = True, start: Assignment | None = None) -> MilpResult:
+               symmetry_breaking: bool = True, start: Assignment | None = None,
+               presolve: bool = True) -> MilpResult:
     """Solve (or, with everything pinned, evaluate) one job. `minimize="device_peak"` finds the
-    smallest device memory any plan needs (capacity unconstrained) for infeasibility reports."""
+    smallest device memory any plan needs (capacity unconstrained unless `device_capacity_bytes` is
+    given: then any plan under it, the question `solve.fits` asks) for infeasibility reports."""
     pins = pins or Pins()
     L, G = costs.num_blocks, costs.grad_accum
     N = L + 2
@@ -276,7 +278,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                               for (s, e, m, t), v in x.items() if s == b)
         prob += P >= base + D[b] + starting, f"peak_{b}"
     cap = costs.device_capacity_bytes if device_capacity_bytes is None else device_capacity_bytes
-    if minimize != "device_peak":
+    if minimize != "device_peak" or device_capacity_bytes is not None:
         prob += P <= cap / GiB, "device_capacity"
 
     # ---- host and NVMe capacity -----------------------------------------------------------
@@ -427,7 +429,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         for vs, tiers in ((p, start.param_tier), (o, start.optimizer_tier), (g, start.grad_tier)):
             for (j, t), v in vs.items():
                 start_values[v.name] = 1.0 if tiers[j] == t else 0.0
-    slv, slv_name = make_solver(solver, time_limit_s, mip_gap, start=start_values)
+    slv, slv_name = make_solver(solver, time_limit_s, mip_gap, presolve=presolve, start=start_values)
     t0 = time.perf_counter()
     with _quiet_stdout():
         prob.solve(slv)

@@ -13,19 +13,23 @@ from dataclasses import replace
 from ..costmodel import JobCosts
 from ..spec import HardwareSpec
 from .assignment import Assignment
+from .ops import micro_batch_kinds
 from .simulate import _lane, _rate, _window_items, memory_peaks
 
 ORDER = {"device": 0, "host": 1, "nvme": 2}
 
 
 def step_time_s(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -> float:
-    """The simulator's step time without building events (sum over windows of the busiest lane:
-    a resource, or the queue it shares, simulate._lane)."""
+    """`simulate(...).step_time_s` without building events: the same kinds of micro-batch (each
+    with the `after_held` the simulator gives it, ops.micro_batch_kinds: one whose embedding the
+    micro-batch before fetched early finds its first block still held), the same windows and
+    lanes (sum over windows of the busiest lane: a resource, or the queue it shares,
+    simulate._lane); equal up to float rounding (the simulator adds window by window). This used
+    to price every micro-batch as if nothing were held, and on some jobs took a move that the
+    simulator, and so the plan, then predicted 1.7% slower."""
     total = 0.0
-    for final, times in ((True, 1), (False, costs.grad_accum - 1)):
-        if times == 0:
-            continue
-        for items in _window_items(costs, a, hw, final, depth):
+    for final, after_held, times in micro_batch_kinds(costs.grad_accum, costs.trains_base):
+        for items in _window_items(costs, a, hw, final, depth, after_held):
             busy: dict[str, float] = {}
             for res, _, _, _, amount in items:
                 rate = _rate(hw, res)

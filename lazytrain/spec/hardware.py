@@ -8,6 +8,7 @@ override them (`hardware.device_memory_gib=20`, `hardware.h2d_gbps=12`). `*_byte
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
@@ -44,6 +45,11 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            # A unit typo (`device_memory_gib=4G`, `h2d_gbps=fast`) arrives as a string: without
+            # this it passed and was later multiplied as one ("4G" * GiB, a 4-GiB string).
+            if f.type == "float" and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+                raise ValueError(f"hardware.{f.name} must be a plain number (its unit is in its name), "
+                                 f"got {v!r}")
             if isinstance(v, float | int) and not isinstance(v, bool):
                 if f.name in RATES and not v > 0:   # (the planner divides by them)
                     raise ValueError(f"hardware.{f.name} must be > 0, got {v}")

@@ -119,7 +119,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> "ModelSpec":
-        return _build(dict(config), name)
+        return _build(dict(config) if isinstance(config, Mapping) else config, name)
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
@@ -143,7 +143,51 @@ def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
     return default
 
 
+def _count(cfg: dict, key: str, default: Any = None, hint: str = "") -> int:
+    """cfg[key] (or `default` where the config has none) as a whole number >= 1; a
+    ModelConfigError naming the key otherwise (a null, 0, -3 or 64.9 would fail far from here, or
+    plan a model that cannot exist)."""
+    v = cfg.get(key)
+    if v is None:
+        v = default
+    if key not in cfg and v is None:
+        raise ModelConfigError(f"config is missing required key {key}{hint}")
+    ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+    if not ok or v < 1:
+        raise ModelConfigError(f"config: {key} must be a whole number >= 1, got {v!r}{hint}")
+    return int(v)
+
+
+def _check_moe(cfg: dict, family: str, num_layers: int) -> None:
+    """The expert layout `_moe_layout` reads, checked once with the key named."""
+    if family == "mixtral":
+        E = _count(cfg, "num_local_experts", _get(cfg, "num_experts", default=8))
+    elif family == "olmoe":
+        E = _count(cfg, "num_experts", _get(cfg, "num_local_experts", default=64))
+    else:   # qwen3_moe / qwen2_moe: no experts (0) means every block is dense
+        E = _get(cfg, "num_experts", "num_local_experts", default=0)
+        if E == 0:
+            return
+        E = _count(cfg, "num_experts", E)
+        sparse = [i for i in range(num_layers) if _moe_layout_sparse(cfg, i)]
+        if sparse:
+            _count(cfg, "moe_intermediate_size", hint=f" (the experts' width; {family} blocks "
+                                                      f"{sparse[:4]}{'...' if len(sparse) > 4 else ''} are sparse)")
+    k = _count(cfg, "num_experts_per_tok", 8 if family == "olmoe" else 2)
+    if k > E:
+        raise ModelConfigError(f"config: num_experts_per_tok={k} exceeds the number of experts ({E})")
+
+
+def _moe_layout_sparse(cfg: dict, i: int) -> bool:
+    """Whether a qwen MoE block i routes to experts (decoder_sparse_step, mlp_only_layers)."""
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    return i not in set(cfg.get("mlp_only_layers") or []) and (i + 1) % step == 0
+
+
 def _build(cfg: dict, name: str | None) -> ModelSpec:
+    if not isinstance(cfg, Mapping):
+        raise ModelConfigError(f"config is a JSON {type(cfg).__name__}, not an object of Hugging Face "
+                               f"config keys")
     # Some configs (multimodal wrappers) nest the LM under text_config.
     if "text_config" in cfg and "hidden_size" not in cfg:
         outer = {k: cfg[k] for k in ("_experts_implementation", "experts_implementation") if k in cfg}
@@ -155,14 +199,19 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
     if family not in FAMILIES:
         raise ModelConfigError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
 
-    H = int(cfg["hidden_size"])
-    L = int(cfg["num_hidden_layers"])
-    V = int(cfg["vocab_size"])
-    nh = int(cfg["num_attention_heads"])
-    nkv = int(_get(cfg, "num_key_value_heads", default=nh))
-    hd = int(_get(cfg, "head_dim", default=H // nh))
-    inter = int(cfg["intermediate_size"])
+    H = _count(cfg, "hidden_size")
+    L = _count(cfg, "num_hidden_layers")
+    V = _count(cfg, "vocab_size")
+    nh = _count(cfg, "num_attention_heads")
+    nkv = _count(cfg, "num_key_value_heads", nh)
+    if nh % nkv:   # grouped-query attention shares each k/v head among a whole number of q heads
+        raise ModelConfigError(f"config: num_key_value_heads={nkv} does not divide num_attention_heads={nh}")
+    hd = _count(cfg, "head_dim", H // nh, hint="" if cfg.get("head_dim") is not None else
+                f" (hidden_size // num_attention_heads = {H} // {nh}; set head_dim)")
+    inter = _count(cfg, "intermediate_size")
     tied = bool(cfg.get("tie_word_embeddings", False))
+    if family in MOE_FAMILIES:
+        _check_moe(cfg, family, L)
 
     layers: list[LayerSpec] = [LayerSpec(
         name="embed", kind="embed", index=0, param_count=V * H, active_param_count=V * H,
@@ -188,7 +237,7 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
         name=name or cfg.get("_name_or_path") or family, family=family, hidden_size=H,
         num_layers=L, vocab_size=V, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
         intermediate_size=inter,
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
+        max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
         tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
     )
 
@@ -196,19 +245,17 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
 def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:
     """(num_experts, top_k, expert_intermediate, shared_intermediate) for block i; zeros if dense."""
     if family == "mixtral":
-        return int(_get(cfg, "num_local_experts", "num_experts", default=8)), int(cfg.get("num_experts_per_tok", 2)), \
-            int(cfg["intermediate_size"]), 0
+        return int(_get(cfg, "num_local_experts", "num_experts", default=8)), \
+            int(_get(cfg, "num_experts_per_tok", default=2)), int(cfg["intermediate_size"]), 0
     if family in ("qwen3_moe", "qwen2_moe"):
         E = int(_get(cfg, "num_experts", "num_local_experts", default=0))
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        dense_layers = set(cfg.get("mlp_only_layers") or [])
-        if E == 0 or i in dense_layers or (i + 1) % step != 0:
+        if E == 0 or not _moe_layout_sparse(cfg, i):
             return 0, 0, 0, 0
         shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
-        return E, int(cfg.get("num_experts_per_tok", 2)), int(cfg["moe_intermediate_size"]), shared
+        return E, int(_get(cfg, "num_experts_per_tok", default=2)), int(cfg["moe_intermediate_size"]), shared
     if family == "olmoe":
-        return int(_get(cfg, "num_experts", "num_local_experts", default=64)), int(cfg.get("num_experts_per_tok", 8)), \
-            int(cfg["intermediate_size"]), 0
+        return int(_get(cfg, "num_experts", "num_local_experts", default=64)), \
+            int(_get(cfg, "num_experts_per_tok", default=8)), int(cfg["intermediate_size"]), 0
     return 0, 0, 0, 0
 
 
