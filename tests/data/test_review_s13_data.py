@@ -5,19 +5,8 @@ import json
 import pytest
 import torch
 
-from lazytrain.data.dataset import (DataError, PackedDataset, build_dataset, expand_files, load_tokenizer,
-                                    tokenize_files)
-from lazytrain.data.tokenizer import build_tokenizer
-
-TEXT = ("The for statement is used to iterate over the elements of a sequence. "
-        "Each item in turn is assigned to the target list.\n") * 40
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    (d / "t.txt").write_text(TEXT)
-    return load_tokenizer(build_tokenizer([d / "t.txt"], d / "tok", vocab_size=300))
+from lazytrain.data.dataset import DataError, PackedDataset, build_dataset, expand_files, tokenize_files
+from test_dataset import tok  # noqa: F401 - the small tokenizer fixture test_dataset.py builds
 
 
 def _jsonl(path, *rows):
