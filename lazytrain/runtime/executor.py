@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss,
-                              embedding_backward_reads_weights, find_parts, head_loss,
+                              embedding_backward_reads_weights, find_parts, head_loss, probe_forward,
                               router_aux, router_aux_enabled, run_block, run_block_routed)
 from ..plan.plan import Plan
 from ..spec.model import experts_implementation
@@ -115,6 +115,11 @@ PUBLISH_IN_FLIGHT = 2   # NVMe-tier weight writes queued behind their updates at
 ACT_ITEMS_AHEAD = 1
 
 
+def _vector_like(t: torch.Tensor) -> bool:
+    """At most one dimension longer than 1: a bias, a norm weight, a per-expert vector."""
+    return sum(n > 1 for n in t.shape) <= 1
+
+
 def _check_experts_implementation(model: nn.Module, plan: Plan) -> None:
     """Warn when an MoE model runs another HF experts implementation than the plan's memory model
     counted (its saved bytes per routed pair differ: `spec.model.experts_implementation`)."""
@@ -191,6 +196,10 @@ class StreamingExecutor:
             check_chunked_loss(self.parts)
         names = self.parts.layer_names()
         _check_plan(plan, names)
+        # The model's own forward on 8 tokens with its blocks stood in for (embedding, final norm and
+        # head only, in eval and train mode): refuses a model that computes anything the executor's
+        # embed -> blocks -> norm -> head would not (an embedding multiplier, logit soft-capping, ...)
+        probe_forward(self.parts, plan.job.loss_chunk_tokens)
         _check_experts_implementation(model, plan)
         _check_lora_on_experts(model)
         self.names = names
@@ -296,6 +305,7 @@ class StreamingExecutor:
         self.layers: list[StreamedLayer] = []
         self.adapters: list[list[nn.Parameter]] = []
         borrowed: list[tuple[int, ...]] = []
+        self.constants: list[list[nn.Parameter]] = []
         for i, mods in enumerate(self.parts.layer_modules()):
             streamed, adapters, lenders = [], [], []
             for m in mods:
@@ -307,6 +317,15 @@ class StreamingExecutor:
                     owner[id(p)] = i
                     (adapters if (self.lora and p.requires_grad) else streamed).append((n, p))
             borrowed.append(tuple(lenders))
+            constants = []
+            if not self.lora and any(p.requires_grad for _, p in streamed):
+                # A frozen vector or scalar in a layer that trains (HF freezes some itself: Ernie 4.5
+                # MoE's [1, experts] e_score_correction_bias) stays on the device as a constant, as
+                # buffers do: exact (no gradient, no update, as in plain PyTorch) and small. A frozen
+                # matrix would have to stay there outside the plan: refused below.
+                constants = [(n, p) for n, p in streamed if not p.requires_grad and _vector_like(p)]
+                streamed = [(n, p) for n, p in streamed if p.requires_grad or not _vector_like(p)]
+            self.constants.append([p for _, p in constants])
             dtypes = {p.dtype for _, p in streamed}
             if len(dtypes) > 1:
                 raise ValueError(f"{self.names[i]}: parameters have mixed dtypes {sorted(map(str, dtypes))}; "
@@ -330,8 +349,9 @@ class StreamingExecutor:
             frozen = [self.param_names[id(p)] for p in lay.params if not p.requires_grad]
             if self.trainable[lay.index] and frozen:
                 raise ValueError(f"{lay.name}: only some of its parameters are frozen ({frozen[:3]}"
-                                 f"{' and others' if len(frozen) > 3 else ''}); a layer trains all of its "
-                                 f"parameters or none: freeze whole layers, or none of it")
+                                 f"{' and others' if len(frozen) > 3 else ''}); a frozen weight matrix would have "
+                                 f"to stay on the device outside the plan (frozen vectors are kept there as "
+                                 f"constants): freeze whole layers, or none of their matrices")
         # Borrowed weights get gradients in the borrower's backward, which must run before the
         # lender's (the head's before the embedding's): the lender sums both, then updates once.
         for lay in self.layers:
@@ -377,11 +397,14 @@ class StreamingExecutor:
                 lay.layout.gather(values, typed(buf, lay.layout.dtype, lay.layout.numel))
                 if d.param_tier == "nvme":
                     self.nvme.write_sync(key, buf)
-        # Buffers (rotary inv_freq, ...) and LoRA adapters stay resident on the device.
+        # Buffers (rotary inv_freq, ...), frozen constants and LoRA adapters stay resident on the device.
         for mod in self.model.modules():
             for name, b in list(mod._buffers.items()):
                 if b is not None and b.device != self.device:
                     mod._buffers[name] = b.to(self.device)
+        for p in (p for consts in self.constants for p in consts):
+            if p.device != self.device:
+                p.data = p.data.to(self.device)
         for ads in self.adapters:
             for p in ads:
                 if p.device != self.device:
@@ -1081,6 +1104,8 @@ class StreamingExecutor:
         for i, lay in enumerate(self.layers):
             for p, v in zip(lay.params, self._layer_values(i)):
                 out[self.param_names[id(p)]] = v.cpu()
+            for p in self.constants[i]:   # (frozen: as they were)
+                out[self.param_names[id(p)]] = p.detach().cpu().clone()
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
