@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..profile.hardware import profile_machine, write_profile
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and base.device_type == "cuda":   # said before minutes of timing
+        from ..profile.hardware import cpu_on_cuda_base
+        print(f"lazytrain profile: {cpu_on_cuda_base(base)}", file=sys.stderr)
+        return 2
     # The config's default model is the toy tiny-llama (hidden 64): its blocks reach a few percent
     # of the matmul peak, an efficiency that made every plan for a real model ~7x too slow.
     with_layers = not args.no_layers and _names_a_model(args.overrides)

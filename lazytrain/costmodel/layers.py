@@ -6,6 +6,8 @@ number. Times are analytic (FLOPs / achieved FLOP/s); `lazytrain profile` fits t
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -117,14 +119,21 @@ def optimizer_traffic_per_param(job: JobSpec) -> float:
 
 
 def check_lora_targets(model: ModelSpec, targets: tuple[str, ...]) -> None:
-    """ValueError naming the LoRA targets that match no linear layer of `model` (the last part of
-    a linear's name, as PEFT matches them), and the names it has: a typo (`qproj`) would otherwise
-    plan a job that trains 0 adapter parameters."""
+    """ValueError when none of the LoRA targets matches a linear layer the cost model counts (the
+    last part of a linear's name, as PEFT matches them), naming the ones it has: `[qproj, vproj]`
+    would otherwise plan a job that trains 0 adapter parameters. A target the cost model does not
+    count while others match (a typo next to a real name, or a small linear it leaves out, such as
+    Qwen2-MoE's shared_expert_gate, which PEFT adapts) is only logged: the train recipe checks every
+    target against the model's own modules before anything runs."""
     names = sorted({lin.name.split(".")[-1] for layer in model.layers for lin in layer.linears})
     missing = [t for t in targets if t not in names]
-    if missing or not targets:
+    if not targets or len(missing) == len(targets):
         raise ValueError(f"job.lora_targets {missing or list(targets)} match no linear layer of {model.name}; "
                          f"its linear layers: {', '.join(names)}")
+    if missing:
+        logging.getLogger(__name__).warning(
+            "job.lora_targets %s match no linear layer the cost model counts for %s (%s): the plan "
+            "counts no adapters for them", missing, model.name, ", ".join(names))
 
 
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:

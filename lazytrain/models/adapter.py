@@ -431,8 +431,12 @@ def probe_forward(parts: DecoderParts, chunk_tokens: int = 0, tokens: int = PROB
     try:
         for c, f, _ in flags:
             setattr(c, f, False)
+        # Train mode is probed only for a model handed over in it (the executor runs the model in
+        # the mode it is given): an eval-mode model with an embedding dropout computes exactly what
+        # the executor does, and telling its user to "train in eval mode" would be no help.
+        probe_modes = (False, True) if any(t for _, t in modes) else (False,)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for training in (False, True):
+            for training in probe_modes:
                 lm.train(training)
                 _probe_mode(parts, ids, labels, chunk_tokens, training, devices, what)
     finally:

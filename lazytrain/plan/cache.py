@@ -46,7 +46,7 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
     hw = plan.hardware
     # capacities as job_costs has them (a CPU device's budget comes out of host RAM); the slack
     # covers the solver's feasibility tolerance (memory rows are in GiB: ~1e-7 GiB)
-    host_cap = hw.host_usable_bytes - (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
+    host_cap = max(0, hw.host_usable_bytes - (hw.device_memory_bytes if hw.device_type == "cpu" else 0))
     for tier, cap in (("device", hw.device_memory_bytes), ("host", host_cap), ("nvme", hw.nvme_capacity_bytes)):
         if peaks[tier] > cap * (1 + 1e-6) + 4096:
             return f"predicted {tier} peak {peaks[tier]} bytes above its capacity ({max(cap, 0)} bytes)"

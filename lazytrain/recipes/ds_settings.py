@@ -90,6 +90,11 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
         if not isinstance(over, dict):
             raise ConfigError(f"deepspeed_config: {p} must hold a JSON object, not a {type(over).__name__}")
     over = _ds_clean(deep_merge(over, dotted))
+    ac = over.get("activation_checkpointing")
+    if isinstance(ac, dict) and not any(ac.values()):
+        # all false / null / 0: DeepSpeed's defaults, found in many published configs; it asks for
+        # nothing, so it is dropped like "auto" values rather than refused (a set value is refused)
+        del over["activation_checkpointing"]
     bad = [f"{key} ({where})" for key, where in DS_JOB_KEYS.items() if key in over]
     if isinstance(over.get("fp16"), dict) and "enabled" in over["fp16"]:
         bad.append("fp16.enabled (job.compute_dtype; its loss-scale settings are yours to set)")

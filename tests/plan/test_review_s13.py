@@ -225,8 +225,31 @@ def test_failed_plot_write_leaves_no_json(tmp_path, capsys, monkeypatch):
 
 def test_lora_targets_naming_no_linear_are_refused(small, capsys):
     model, h, job = small
-    bad = replace(job, mode="lora", lora_targets=("qproj", "v_proj"))
-    with pytest.raises(ValueError, match=r"job.lora_targets \['qproj'\] match no linear layer.*q_proj"):
+    bad = replace(job, mode="lora", lora_targets=("qproj", "vproj"))
+    with pytest.raises(ValueError, match=r"job.lora_targets \['qproj', 'vproj'\] match no linear layer.*q_proj"):
         plan_job(model, h, bad, cache_dir=None)
     rc, _, err = _cli(["planner.cache=false", "job.mode=lora", "job.lora_targets=[qproj,vproj]"], capsys)
     assert rc == 2 and "['qproj', 'vproj'] match no linear layer of tiny-llama" in err and "q_proj" in err, err
+
+
+def test_a_lora_target_the_cost_model_does_not_count_is_only_logged(caplog):
+    """Qwen2-MoE's shared_expert_gate is a linear PEFT adapts but the cost model leaves out: with
+    q_proj next to it the job planned before the no-linear check and must still plan (the train
+    recipe checks targets against the model's own modules)."""
+    model, h, job, _ = _specs([])   # (tiny-llama has no such linear: the same case for the planner)
+    ok = replace(job, mode="lora", lora_targets=("q_proj", "shared_expert_gate"))
+    with caplog.at_level(logging.WARNING):
+        plan = plan_job(model, h, ok, cache_dir=None)
+    assert plan.fits and "['shared_expert_gate'] match no linear layer the cost model counts" in caplog.text
+
+
+def test_a_cpu_device_plan_with_no_host_left_is_served_from_the_cache(tmp_path, caplog):
+    """host_memory_gib 5 on the cpu profile: 1 GiB usable, the 4 GiB device budget comes out of it,
+    the host capacity is 0 (job_costs floors it); the cache check did not floor it and called every
+    such plan damaged (host peak 0 above -3 GiB), so it was solved again on every call."""
+    model, h, job, options = _specs(["job.mode=lora", "hardware.host_memory_gib=5"])
+    first = plan_job(model, h, job, options, cache_dir=tmp_path)
+    assert first.fits and first.predicted.peak_bytes["host"] == 0
+    with caplog.at_level(logging.WARNING):
+        again = plan_job(model, h, job, options, cache_dir=tmp_path)
+    assert "damaged" not in caplog.text and again.input_hash == first.input_hash

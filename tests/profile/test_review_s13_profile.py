@@ -66,10 +66,10 @@ def test_a_cuda_base_keeps_or_takes_the_cards_memory_and_a_cpu_timing_describes_
     h200 = _hw("h200")
     assert measured_spec(h200, GPU, None, 700.0, None).device_memory_gib == h200.device_memory_gib
     assert measured_spec(h200, GPU, None, 700.0, None, device_memory_gib=139.8).device_memory_gib == 139.8
-    # `lazytrain profile hardware=h200` on a CPU-only machine: the CPU is the device timed
-    spec = measured_spec(h200, CPU, None, 0.2, None)
-    assert spec.device_type == "cpu" and spec.copies_share_compute and not spec.optimizer_overlaps_compute
-    assert spec.device_memory_gib == h200.device_memory_gib     # the planned (accounted) budget
+    # `lazytrain profile hardware=h200` on a CPU-only machine: the CPU is the device timed, and the
+    # h200's 131 GiB "device" carved out of this machine's RAM planned nothing: refused
+    with pytest.raises(ValueError, match="no CUDA device is visible.*'h200' is a CUDA profile.*hardware=cpu"):
+        measured_spec(h200, CPU, None, 0.2, None)
     cpu = measured_spec(_hw("cpu"), CPU, None, 0.2, None)
     assert (cpu.device_type, cpu.optimizer_overlaps_compute) == ("cpu", False)
 
@@ -120,3 +120,13 @@ def test_layer_times_for_a_config_with_layer_types(monkeypatch):
     assert [lt.name for lt in lts] == [ls.name for ls in spec.layers]
     assert seen["num_hidden_layers"] == 2 and seen["layer_types"] == hf["layer_types"][:2]
     assert seen["no_rope_layers"] == [1, 1]
+
+
+def test_profile_on_a_cpu_only_machine_refuses_a_cuda_base_before_timing(capsys, monkeypatch):
+    """Said in one line before minutes of timing, not a profile that cannot plan anything."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    called = []
+    monkeypatch.setattr("lazytrain.profile.hardware.profile_machine", lambda *a, **k: called.append(1))
+    assert cli.main(["hardware=h200"]) == 2 and not called
+    err = capsys.readouterr().err
+    assert "no CUDA device is visible" in err and "hardware=cpu" in err and "Traceback" not in err

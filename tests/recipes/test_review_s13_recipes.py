@@ -89,6 +89,18 @@ def test_hf_trainer_auto_activation_checkpointing_is_dropped(tmp_path):
         {"zero_optimization": {"stage": 3}}
 
 
+def test_deepspeed_activation_checkpointing_left_at_its_defaults_is_dropped(tmp_path):
+    """The all-defaults block many published DeepSpeed configs carry asks for nothing: it was
+    refused as the plan's once the section became a job key."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"activation_checkpointing": {
+        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+        "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False},
+        "zero_optimization": {"stage": 3}}))
+    assert deepspeed_overrides(_cfg("engine=deepspeed", f"deepspeed_config={f}")) == \
+        {"zero_optimization": {"stage": 3}}
+
+
 def test_zero_stage_given_as_a_string(tmp_path):
     """DeepSpeed takes "stage": "3"; it was refused with "zero_optimization.stage=3: lazytrain runs
     DeepSpeed with ZeRO stage 3"."""

@@ -88,6 +88,21 @@ def test_embedding_dropout_is_refused_in_training(tmp_path):
     assert_exact(build("phi", embd_pdrop=0.0, resid_pdrop=0.2, attention_dropout=0.0), tmp_path)
 
 
+def test_embedding_dropout_in_an_eval_mode_model_is_accepted(tmp_path):
+    """The executor runs the model in the mode it is given: in eval mode an embedding dropout is
+    off, the loss is the model's own, and the error's advice ("train in eval mode") must hold."""
+    model = build("phi", embd_pdrop=0.2, resid_pdrop=0.0, attention_dropout=0.0).eval()
+    ref = copy.deepcopy(model)
+    ex = make(model, tmp_path, lr=0.0)
+    try:
+        mbs = random_batches(1, seed=1)
+        with torch.no_grad():
+            want = ref(input_ids=mbs[0][0], labels=mbs[0][1]).loss.item()
+        assert ex.train_step(mbs).loss == want
+    finally:
+        ex.close()
+
+
 # ---- 3. positional block arguments ----------------------------------------------------------------
 def test_positional_block_arguments_are_passed():
     """XGLM passes its causal mask positionally: block_kwargs kept keywords only, so attention was
