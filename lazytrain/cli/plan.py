@@ -15,9 +15,7 @@ Exit codes: 0 ok, 2 infeasible or bad input (nothing written).
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,11 +75,10 @@ def _check_output(path: str | None, flag: str) -> None:
         folder = folder.parent
     if not folder.is_dir():
         raise ConfigError(f"{flag} {p}: {folder} is not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {p}: cannot write in {folder} ({e.strerror or e})") from None
+    from ..storage.filemode import cannot_write_in
+    why = cannot_write_in(folder)
+    if why:
+        raise ConfigError(f"{flag} {p}: cannot write in {folder} ({why})")
 
 
 def _check_plot_format(path: str | None) -> None:
@@ -97,34 +94,22 @@ def _check_plot_format(path: str | None) -> None:
 
 
 def _write_outputs(plan, json_path: str | None, plot_path: str | None) -> list[str]:
-    """Write --json and --plot, both or neither: a failure (ConfigError, one line) removes what
-    was already written. The JSON goes to a temporary file first and is renamed last."""
+    """Write --plot, then --json (through a temp file, renamed last), both or neither: a failure
+    (ConfigError, one line) removes what was already written."""
     from ..plan.plot import plot_plan
-    from ..storage.filemode import new_file_mode
+    from ..storage.filemode import replace_text
     done: list[Path] = []
-    tmp = None
     try:
-        if json_path:
-            out = Path(json_path)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-            os.fchmod(fd, new_file_mode())   # as write_text made it (mkstemp's 0600 hides it from others)
-            with os.fdopen(fd, "w") as f:
-                f.write(plan.to_json())
         if plot_path:
             done.append(plot_plan(plan, plot_path))
-        if tmp is not None:
-            os.replace(tmp, json_path)
-            tmp = None
-            done.insert(0, Path(json_path))
+        if json_path:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            done.insert(0, replace_text(json_path, plan.to_json()))
     except OSError as e:
         for f in done:
             f.unlink(missing_ok=True)
         what = f" {e.filename}" if getattr(e, "filename", None) else ""
         raise ConfigError(f"cannot write{what}: {e.strerror or e}; nothing written") from None
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
     return [str(f) for f in done]
 
 

@@ -7,11 +7,10 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from ..spec.tier import Tier
-from ..storage.filemode import new_file_mode
+from ..storage.filemode import replace_text
 from .plan import Plan
 from .plan import input_hash as hash_of_inputs
 
@@ -99,11 +98,4 @@ class PlanCache:
     def put(self, plan: Plan) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         p = self.path(plan.input_hash)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
-        os.fchmod(fd, new_file_mode())   # mkstemp's 0600 would hide a shared cache from the team
-        with os.fdopen(fd, "w") as f:
-            f.write(plan.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-        return p
+        return replace_text(p, plan.to_json())   # (umask's mode: 0600 would hide a team's shared cache)

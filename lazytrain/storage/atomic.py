@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .aligned_io import DiskIOError
+from .filemode import replace_text
 
 
 def fsync_path(path: Path) -> None:
@@ -20,14 +21,10 @@ def fsync_path(path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # unique: several processes may write
+    """Write `text` to `path` via a temp file, fsync and rename (filemode.replace_text), then fsync
+    the folder; a failure is a DiskIOError naming the file."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_text(path, text)
         fsync_path(path.parent)
     except OSError as e:
         raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e

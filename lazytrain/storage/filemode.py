@@ -12,6 +12,7 @@ into place.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -52,3 +53,33 @@ def share_like_umask(path: str | os.PathLike) -> None:
             f = Path(dirpath) / name
             if not f.is_symlink():
                 os.chmod(f, mode)
+
+
+def replace_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` through a temp file in its folder (created with `new_file_mode`, not
+    mkstemp's 0600), fsynced and renamed into place: a crash leaves the old file or the new one.
+    The temp file is removed if anything fails. (No torch here: the planner writes with it.)"""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, new_file_mode())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def cannot_write_in(folder: str | os.PathLike) -> str | None:
+    """Why no file can be created in `folder`, or None: a temporary file is made and removed, since
+    permission bits do not say it all (root may "write" /proc; a read-only mount)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from .aligned_io import DirectFile, IOPool, aligned_empty, round_up
+from .filemode import cannot_write_in
 
 
 class FlatStore(Protocol):
@@ -126,11 +127,9 @@ def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
     p = Path(nvme_dir)
     if not p.is_dir():
         raise ValueError(f"storage.nvme_dir {p} does not exist (create it or point to a local SSD)")
-    try:
-        with tempfile.NamedTemporaryFile(dir=p):
-            pass
-    except OSError as e:
-        raise ValueError(f"storage.nvme_dir {p} is not writable ({e.strerror})") from None
+    why = cannot_write_in(p)
+    if why:
+        raise ValueError(f"storage.nvme_dir {p} is not writable ({why})")
     free = shutil.disk_usage(p).free
     if free < need_bytes:
         raise ValueError(f"storage.nvme_dir {p} has {free / 2**30:.2f} GiB free but the plan needs "
