@@ -17,7 +17,7 @@ from ..spec import GiB, HardwareSpec, JobSpec, ModelSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
-from .milp import MilpResult, Pins, solve_milp
+from .milp import FREE_RESOLVE_S, MilpResult, Pins, solve_milp
 from .render import optimizer_state_label
 from .plan import FALLBACK_DETAIL, SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
 from .ops import FWD, HEAD, head_peak_bytes, op_sequence
@@ -83,8 +83,11 @@ def pins_for(method: str, num_blocks: int, job: JobSpec | None = None) -> Pins |
 
 def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
              options: PlannerOptions = PlannerOptions(), *, cache_dir: str | Path | None = "solver_cache",
-             use_cache: bool = True, method: str = "milp", explain: bool = True) -> Plan:
-    """Plan one job with the MILP (method="milp") or score a heuristic ("heuristic:<name>")."""
+             use_cache: bool = True, method: str = "milp", explain: bool = True,
+             free_resolve_s: float = FREE_RESOLVE_S) -> Plan:
+    """Plan one job with the MILP (method="milp") or score a heuristic ("heuristic:<name>").
+    `free_resolve_s`: milp.solve_milp's re-solve without symmetry-breaking rows (0: off; a plan
+    asked for with it off is not cached, as it may be slower than the one the default finds)."""
     if method != "milp" and method.removeprefix("heuristic:") not in HEURISTICS:
         raise ValueError(f"unknown method {method!r}; valid: milp, " + ", ".join(f"heuristic:{h}" for h in HEURISTICS))
     if job.seq_len > model.max_position_embeddings:
@@ -102,7 +105,7 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
             return replace(hit, model_name=model.name, explanation=tuple(
                 line.replace(f" of {old} (", f" of {model.name} (") if old else line for line in hit.explanation))
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job))
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job), free_resolve_s=free_resolve_s)
     if r.status == "timeout" and method == "milp":
         r = _fallback(costs, hw, options, model.num_layers, job, r)
     timed_out = r.status == "timeout"
@@ -116,7 +119,7 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     # A heuristic returned because the MILP ran out of time (a busy machine, a short limit) is
     # not cached: the next run tries the MILP again instead of being served the fallback for good.
     # Nor is a time limit's "no plan found": a wall-clock outcome, not a property of the inputs.
-    if cache is not None and not plan.solver.fell_back and not timed_out:
+    if cache is not None and not plan.solver.fell_back and not timed_out and free_resolve_s == FREE_RESOLVE_S:
         try:
             cache.put(plan)
         except OSError as e:   # the cache only saves time: planning goes on without it
@@ -483,7 +486,8 @@ def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerO
     """The plan of a suggested change, if it fits (not cached, not explained; at most 10 s of
     solver time each, as up to four run on the infeasible path)."""
     quick = replace(options, time_limit_s=min(options.time_limit_s, SUGGESTION_TIME_LIMIT_S))
-    p = plan_job(model, hw, job, quick, cache_dir=None, explain=False, method=method)
+    # (only whether it plans and its host peak matter here: no re-solve for a faster plan)
+    p = plan_job(model, hw, job, quick, cache_dir=None, explain=False, method=method, free_resolve_s=0.0)
     return p if p.fits else None
 
 

@@ -47,10 +47,10 @@ def test_max_batch_is_a_batch_plan_job_plans_where_the_solver_overstates_the_min
     assert need <= min(min_device_bytes(model, h, job, opts, f"heuristic:{m}") for m in HEURISTICS)
 
 
-@pytest.mark.xfail(strict=True, reason="symmetry breaking (milp.py) orders identical blocks' tiers, "
-                   "which is not valid for the step-time objective: it excludes this 1.2% faster plan. "
-                   "Without it the large models' solves hit the 30 s limit; needs a reformulation.")
 def test_symmetry_breaking_keeps_the_fastest_plan():
+    """Symmetry breaking orders identical blocks' tiers, which is not valid for the step-time
+    objective: it excluded this 1.2% faster plan (the last block resident, the 3rd not) until the
+    solution was re-solved without those rows (milp._free_resolve)."""
     model = ModelSpec.from_hf_config(dict(
         model_type="qwen3", hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096))
