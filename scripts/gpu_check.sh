@@ -38,6 +38,21 @@ $PY - <<'PY' 2>&1 | tee "$OUTDIR/status.txt"
 import torch, transformers, sys
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+# The host side, for the open question of the host optimizer thread's 4x slowdown (README, "On a
+# GPU"): a CPU quota below the threads torch starts (a container's cgroup cpu.max with the host's
+# cores in the affinity mask) would throttle every parallel region once the quota runs out.
+import os, platform
+def read(path):
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return "-"
+model = next((l.split(":", 1)[1].strip() for l in read("/proc/cpuinfo").splitlines() if l.startswith("model name")), "-")
+nodes = len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")]) if os.path.isdir("/sys/devices/system/node") else "-"
+print(f"host: {model}; cpu_count {os.cpu_count()}, affinity {len(os.sched_getaffinity(0))}, "
+      f"torch threads {torch.get_num_threads()}, NUMA nodes {nodes}; cgroup cpu.max {read('/sys/fs/cgroup/cpu.max')!r}, "
+      f"cfs quota/period {read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us')}/{read('/sys/fs/cgroup/cpu/cpu.cfs_period_us')}; "
+      f"THP {read('/sys/kernel/mm/transparent_hugepage/enabled')}; kernel {platform.release()}")
 PY
 
 # Build what is built on first use once, up front and timed, so the tests' time limit is spent on
