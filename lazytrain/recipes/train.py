@@ -33,7 +33,7 @@ from ..spec.model import ModelConfigError
 from ..storage.aligned_io import DiskIOError
 from ..storage.atomic import keep_jsonl_rows
 from ..storage.filemode import share_like_umask
-from ..storage.tiers import remove_dead_scratch
+from ..storage.tiers import remove_dead_scratch, warn_if_memory_backed
 from . import checkpoint as ckpt
 from .ds_settings import check_deepspeed_config, deepspeed_overrides
 from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
@@ -174,6 +174,7 @@ def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
     if need_bytes > free:
         raise StorageError(f"storage.nvme_dir {nvme_dir} has {free / 2**30:.1f} GiB free; the plan "
                            f"puts {need_bytes / 2**30:.1f} GiB on NVMe")
+    warn_if_memory_backed(nvme_dir, need_bytes)
 
 
 def plan_nvme_bytes(plan: Plan) -> int:

@@ -24,6 +24,8 @@ import torch
 from .aligned_io import DirectFile, IOPool, aligned_empty, round_up
 from .filemode import cannot_write_in
 
+log = logging.getLogger(__name__)
+
 
 class FlatStore(Protocol):
     tier: str
@@ -119,8 +121,46 @@ class NvmeStore:
         self.files.clear()
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+_WARNED_MEMORY_FS: set[tuple[str, str]] = set()
+
+
+def memory_backed(path: str | os.PathLike) -> str | None:
+    """The filesystem type when `path` lies on one held in RAM (tmpfs, ramfs; /dev/shm, and /tmp
+    on some distributions), else None (also where /proc/self/mounts cannot be read)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, fstype = "", None
+    for line in mounts:
+        f = line.split()
+        if len(f) < 3:
+            continue
+        mnt = f[1].replace("\\040", " ")
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, fstype = mnt, f[2]
+    return fstype if fstype in MEMORY_FILESYSTEMS else None
+
+
+def warn_if_memory_backed(nvme_dir: Path, need_bytes: int) -> None:
+    """Warn (once per directory) when the NVMe tier's directory is held in RAM and the plan puts
+    bytes there: they take host memory the plan does not count (a host peak planned to fit may
+    not), and the plan's NVMe rates do not apply."""
+    fs = memory_backed(nvme_dir) if need_bytes > 0 else None
+    key = (os.path.realpath(nvme_dir), fs or "")
+    if fs and key not in _WARNED_MEMORY_FS:   # (train's preflight checks it, then the executor)
+        _WARNED_MEMORY_FS.add(key)
+        log.warning("storage.nvme_dir %s is on %s (RAM): the %.2f GiB the plan puts on NVMe will take "
+                    "host memory on top of the plan's host peak, at memory speed, not the NVMe rates "
+                    "planned; point storage.nvme_dir at a directory on an SSD", nvme_dir, fs, need_bytes / 2**30)
+
+
 def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
-    """The directory for NVMe-tier files, checked before training: exists, writable, big enough."""
+    """The directory for NVMe-tier files, checked before training: exists, writable, big enough
+    (and warn_if_memory_backed)."""
     if nvme_dir is None:
         raise ValueError("the plan puts data on the nvme tier but no nvme_dir was given "
                          "(set storage.nvme_dir=DIR)")
@@ -134,10 +174,9 @@ def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
     if free < need_bytes:
         raise ValueError(f"storage.nvme_dir {p} has {free / 2**30:.2f} GiB free but the plan needs "
                          f"{need_bytes / 2**30:.2f} GiB there")
+    warn_if_memory_backed(p, need_bytes)
     return p
 
-
-log = logging.getLogger(__name__)
 
 SCRATCH_PREFIX = "lazytrain-"
 _SCRATCH_LOCK = ".owner.lock"
