@@ -10,11 +10,14 @@ plain torch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -51,6 +54,38 @@ def _cpu_features() -> str:
     return platform.machine()
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[Path | None]:
+    """Hold an flock on `directory` while torch builds or loads the extension there.
+
+    torch's own lock (``directory/lock``, a file created with O_EXCL and removed when done) is taken
+    by every process's first load, and one killed while holding it (OOM killer, pre-emption) left it
+    behind: every later load then waited for it forever, silently. The kernel releases an flock
+    with its process, so whoever holds this one is alive, and a ``lock`` file found while holding
+    it was left by a dead process (every loader of the dir takes this flock first): it is removed
+    and yielded (else None). Where flock is unsupported, nothing is locked or removed."""
+    fd = os.open(directory / ".lazytrain-build.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"lazytrain: waiting for another process building or loading {directory.name}...",
+                      file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:
+            locked = False
+        stale = directory / "lock"
+        if locked and stale.exists():
+            stale.unlink(missing_ok=True)
+            yield stale
+        else:
+            yield None
+    finally:
+        os.close(fd)   # (releases the flock)
+
+
 class Extension:
     """One C++ source built on first use (thread-safe; tried once per process)."""
 
@@ -75,7 +110,13 @@ class Extension:
         if "-march=native" in key:
             key += " " + _cpu_features()
         flags = hashlib.sha1(key.encode()).hexdigest()[:8]
-        tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{flags}"
+        # and the source's content: checkouts with other versions of it (a branch, an older clone)
+        # each keep their build instead of rebuilding over one another's at every switch
+        try:
+            src = hashlib.sha1(self.source.read_bytes()).hexdigest()[:8]
+        except OSError:   # (load() then fails on the missing source, saying so)
+            src = "nosource"
+        tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{flags}-{src}"
         return extensions_root() / f"{self.name}-{tag.replace('+', '_')}"
 
     def _fail(self, reason: str) -> None:
@@ -108,19 +149,30 @@ class Extension:
             except OSError as exc:
                 self._fail(f"cannot create the build directory {directory} ({exc}); set TORCH_EXTENSIONS_DIR")
                 return None
-            fresh = not any(directory.glob(f"{self.name}*.so"))
-            if fresh:
-                print(f"lazytrain: building the {self.what} into {directory} (first use only, ~30-60 s)...",
-                      file=sys.stderr, flush=True)
             try:
-                self._module = cpp_extension.load(
-                    name=self.name,
-                    sources=[str(self.source)],
-                    extra_cflags=cflags(),
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    verbose=verbose,
-                )
+                with _build_lock(directory) as stale:
+                    if stale:
+                        _LOG.warning("lazytrain: removed %s, left by a process killed while it loaded "
+                                     "the %s (torch would have waited for it forever)", stale, self.what)
+                    # Built from a copy inside the build dir: torch's build file names the source's
+                    # path, so each checkout's own path made the others' builds stale (~30 s each).
+                    src = directory / self.source.name
+                    if not src.is_file() or src.read_bytes() != self.source.read_bytes():
+                        tmp = src.with_name(f".{src.name}.{os.getpid()}")
+                        shutil.copyfile(self.source, tmp)
+                        os.replace(tmp, src)
+                    fresh = not any(directory.glob(f"{self.name}*.so"))
+                    if fresh:
+                        print(f"lazytrain: building the {self.what} into {directory} (first use only, "
+                              f"~30-60 s)...", file=sys.stderr, flush=True)
+                    self._module = cpp_extension.load(
+                        name=self.name,
+                        sources=[str(src)],
+                        extra_cflags=cflags(),
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory),
+                        verbose=verbose,
+                    )
             except Exception as exc:  # noqa: BLE001
                 self._fail(f"{self.what} build failed: {str(exc).strip().splitlines()[-1][:300]}")
                 return None

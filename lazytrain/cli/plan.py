@@ -24,6 +24,8 @@ from .config import ConfigError, hardware_spec, job_spec, load_config, model_spe
 
 
 def _pop_flag(args: list[str], flag: str) -> str | None:
+    if sum(a == flag or a.startswith(flag + "=") for a in args) > 1:   # (was "unknown option")
+        raise ConfigError(f"{flag} given more than once")
     if flag in args:
         i = args.index(flag)
         if i + 1 >= len(args):
@@ -179,18 +181,23 @@ def cmd_trace(args: list[str]) -> int:
 def cmd_compare(args: list[str]) -> int:
     from ..plan import HEURISTICS, plan_job
     model, hw, job, opts, use_cache, cache_dir = _inputs(args)
-    rows = []
+    rows, why = [], []
     for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
         plan = plan_job(model, hw, job, opts, cache_dir=cache_dir, use_cache=use_cache, method=method)
         if plan.fits:
             rows.append((method, f"{plan.predicted.step_time_s:.4g}", f"{plan.predicted.tokens_per_s:,.0f}",
                          f"{plan.predicted.peak_bytes['device'] / GiB:.2f}", "yes"))
         else:
-            need = plan.explanation[0] if plan.explanation else "infeasible"
-            rows.append((method, "-", "-", "-", "no: " + need.split(": ", 1)[-1][:70]))
+            rows.append((method, "-", "-", "-", "no"))
+            # whole, below the table (cut to the column, the amounts it names were lost)
+            why.append(f"{method}: " + (plan.explanation[0].split(": ", 1)[-1] if plan.explanation
+                                         else "infeasible"))
     _table(f"{model.name} on {hw.name}, {job.mode}, batch {job.batch_size} x {job.seq_len}",
            ("method", "step s", "tokens/s", "device GiB", "fits"), rows)
-    return 0
+    for line in why:
+        print(line)
+    # exit 2 when no method fits, as plan and plan max-batch do
+    return 0 if any(r[-1] == "yes" for r in rows) else 2
 
 
 def cmd_max_batch(args: list[str]) -> int:

@@ -84,6 +84,19 @@ def _interrupted(msg: str) -> int:
     return 130
 
 
+RESUME_NEEDS_OUTPUT_DIR = ("resume=true needs output_dir=DIR, the run to continue: without it the run "
+                           "goes to a new Hydra run dir (outputs/DATE/TIME), which holds no checkpoint")
+
+
+def _resume_without_output_dir(argv: list[str]) -> bool:
+    """resume=true (on the command line; the config's default is false) with neither output_dir
+    nor a fixed Hydra run/sweep dir."""
+    kv = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+    fixed = any(k in kv for k in ("hydra.run.dir", "hydra.sweep.dir"))
+    return (kv.get("resume", "").lower() == "true" and not fixed
+            and kv.get("output_dir", "null") in ("", "null", "None"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise(list(sys.argv[1:] if argv is None else argv))
     from ..cli.config import config_dir, load_config
@@ -93,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return _error("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
                       "model=...` first (it writes configs/hardware/measured.yaml)")
     pre = None
+    if _resume_without_output_dir(argv):
+        return _error(RESUME_NEEDS_OUTPUT_DIR)
     no_run = any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv)
     multirun = any(a in MULTIRUN_FLAGS for a in argv)
     if not no_run and not multirun:

@@ -365,19 +365,37 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
     return h.hexdigest()[:16]
 
 
+def _streams_digest(data: dict[str, torch.Tensor]) -> str:
+    """sha256 over the streams' names, dtypes and bytes (stored with a cache entry, checked on read)."""
+    h = hashlib.sha256()
+    for name in sorted(data):
+        t = data[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{t.numel()};".encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
     """The cached streams, or None (a miss) if there are none or they are unreadable: a damaged
-    entry is removed and re-tokenized rather than failing the run."""
+    entry is removed and re-tokenized rather than failing the run. Damage includes changed token
+    values (their sha256 is stored with the entry): they crashed the embedding (ids out of range)
+    or trained on, and a resume was refused as "other data"."""
     if not path.is_file():
         return None
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     try:
+        with safe_open(str(path), "pt") as f:
+            want = (f.metadata() or {}).get("sha256")
         data = load_file(str(path))
         if set(data) != names or any(t.dim() != 1 or t.shape != data["tokens"].shape
                                      for t in data.values()):
             raise ValueError(f"holds {sorted(data)}, not the 1-D streams {sorted(names)}")
+        if want is None:
+            raise ValueError("no checksum (written by an older lazytrain)")
+        if _streams_digest(data) != want:
+            raise ValueError("its tokens do not match their checksum")
     except (SafetensorError, OSError, ValueError) as e:
         log.warning("ignoring corrupt token cache %s (%s); re-tokenizing", path, e)
         path.unlink(missing_ok=True)
@@ -410,7 +428,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
             from safetensors.torch import save_file
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")  # ranks may race
-            save_file(data, str(tmp))
+            save_file(data, str(tmp), metadata={"sha256": _streams_digest(data)})
             share_like_umask(tmp)   # safetensors writes its files 0600 (storage/filemode.py)
             tmp.replace(cache_path)
     tokens = data["tokens"]

@@ -226,6 +226,17 @@ def _up(n: float, unit: int = GiB) -> float:
     return math.ceil(n / unit * 100) / 100
 
 
+def _up_setting(n: float) -> tuple[float, str]:
+    """`n` bytes as a GiB setting rounded up, to 0.01 GiB or 3 significant digits, whichever is
+    finer (a toy job's 13.7 MiB minimum read "0.02 GiB", 1.5x what it needs), and its text."""
+    gib = n / GiB
+    if gib <= 0:
+        return 0.0, "0.00"
+    e = min(-2, math.floor(math.log10(gib)) - 2)   # the step is 10**e GiB
+    v = math.ceil(round(gib * 10 ** -e, 6)) / 10 ** -e
+    return v, f"{v:.{-e}f}"
+
+
 def _gib(n: float, up: bool = False) -> str:
     """GiB to 0.01 (rounded up with `up`); a non-zero amount below that in MiB (a toy model's
     "0.00 GiB" says nothing)."""
@@ -529,17 +540,20 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     tail = (f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} "
             f"(job.batch_size={best})" if best else
             f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory")
-    need_gib = _up(need)  # rounded up: the suggested setting must fit
-    setting = f"hardware.device_memory_gib={need_gib:.2f}"
+    need_gib, need_txt = _up_setting(need)  # rounded up: the suggested setting must fit
+    setting = f"hardware.device_memory_gib={need_txt}"
     if hw.device_type == "cpu" and need_gib > hw.device_memory_gib:
         # A CPU device's budget comes out of host RAM (job_costs): more of it leaves the host less.
         # Where the host then runs short, the same amount must be added to host_memory_gib too.
         more = replace(hw, device_memory_gib=need_gib)
         if _planned(model, more, job, options, method) is None:
-            # (rounded to 1e-6 first: 4.2 + 0.26 - 0.1 is 4.36 plus float noise, not 4.37)
-            host_gib = math.ceil(round((hw.host_memory_gib + need_gib - hw.device_memory_gib) * 100, 6)) / 100
-            setting += (f" and hardware.host_memory_gib={host_gib:.2f}: a CPU device's memory comes out "
-                        f"of host RAM, which must grow by the same {need_gib - hw.device_memory_gib:.2f} GiB")
+            # (to the device setting's decimals; rounded to 1e-6 first: 4.2 + 0.26 - 0.1 is 4.36 plus
+            # float noise, not 4.37)
+            d = max(2, len(need_txt.partition(".")[2]))
+            host_gib = math.ceil(round((hw.host_memory_gib + need_gib - hw.device_memory_gib) * 10**d, 6)) / 10**d
+            grow = _up_setting((need_gib - hw.device_memory_gib) * GiB)[1]
+            setting += (f" and hardware.host_memory_gib={host_gib:.{d}f}: a CPU device's memory comes out "
+                        f"of host RAM, which must grow by the same {grow} GiB")
     return [f"{what} hardware.device_memory_gib={hw.device_memory_gib}: this job "
-            f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_gib:.2f} GiB "
+            f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_txt} GiB "
             f"of device memory ({setting}); {tail}"]

@@ -89,18 +89,19 @@ def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], di
 def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
     """Rows of a JSONL file; a cut-off last line (a killed run) is skipped with a note, damage
     anywhere else is an error."""
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().splitlines()
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
+            out.append(json.loads(raw.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             if n == len(lines):
                 notes.append(f"{path}: the last line is cut off (a killed run?) and was ignored")
                 continue
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg}); the file is damaged") from None
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise ValueError(f"{path}:{n}: not JSON ({why}); the file is damaged") from None
     return out
 
 
@@ -122,17 +123,32 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
         raise ValueError(f"{trace_path} is not a streaming-executor trace (engine=lazytrain writes one; "
                          "other engines log ops, not transfers)")
     with_what = any("what" in e for e in events)   # older traces: compare per kind only
+    metrics = d / "metrics.jsonl"
+    logged = [r for r in _read_jsonl(metrics, notes) if "step_time_s" in r] if metrics.is_file() else []
+    by_step = {r["step"]: r for r in logged if isinstance(r.get("step"), int)}
+    done = None
+    if by_step and len(by_step) == len(logged):
+        # Trace step s is the run's step s + 1, across resumes too (Trace.continue_run), and a
+        # step has its metrics row once it completed: a step cut short (Ctrl-C, a crash) has
+        # events but no row, and is left out (its few events pulled every median down).
+        done = {e["step"] for e in events if e["step"] >= 0 and e["step"] + 1 in by_step}
+        cut = {e["step"] for e in events if e["step"] >= 0} - done
+        if cut:
+            notes.append(f"{len(cut)} step(s) traced but never completed (no row in metrics.jsonl; an "
+                         f"interrupted run?) left out: {', '.join(str(s + 1) for s in sorted(cut))}")
+            events = [e for e in events if e["step"] < 0 or e["step"] in done]
+        if not done:
+            raise ValueError(f"{trace_path} has no completed step (metrics.jsonl has none of its steps)")
     m_s, m_b, steps = measured_busy(events)
     p_s, p_b, p_step = predicted_busy(plan, with_what)
     keys = [_key(k, w) for k in KINDS for w in WHATS if w == "" or k in TRANSFERS]
     rows = tuple(KindRow(k, p_s.get(k, 0.0), m_s.get(k), p_b.get(k, 0), m_b.get(k))
                  for k in dict.fromkeys(keys) if k in p_s or k in m_s)
     measured_step, first_step = None, 1
-    metrics = d / "metrics.jsonl"
-    if metrics.is_file():
-        # The trace numbers this process's steps from 0 (skipped ones too); metrics.jsonl has a row
-        # per step, after those of the run this one resumed: its last rows are the trace's steps.
-        logged = [r for r in _read_jsonl(metrics, notes) if "step_time_s" in r]
+    if done is not None:
+        measured_step = statistics.median(by_step[s + 1]["step_time_s"] for s in steps)
+    elif logged:
+        # (rows without step numbers: the trace's steps are metrics.jsonl's last rows)
         n = max(e["step"] for e in events) + 1
         mine = logged[-n:] if len(logged) >= n else []
         chosen = [mine[s]["step_time_s"] for s in steps if s < len(mine)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import fcntl
 import os
 import shutil
 import time
@@ -172,8 +173,8 @@ def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
     remove_dead_scratch(nvme_dir)   # (a resume must not be refused for a killed run's files)
     free = shutil.disk_usage(nvme_dir).free
     if need_bytes > free:
-        raise StorageError(f"storage.nvme_dir {nvme_dir} has {free / 2**30:.1f} GiB free; the plan "
-                           f"puts {need_bytes / 2**30:.1f} GiB on NVMe")
+        raise StorageError(f"storage.nvme_dir {nvme_dir} has {_fmt_bytes(free)} free; the plan "
+                           f"puts {_fmt_bytes(need_bytes)} on NVMe")   # (in MiB below 1 GiB: "0.0 GiB" twice)
     warn_if_memory_backed(nvme_dir, need_bytes)
 
 
@@ -201,6 +202,7 @@ def preflight(cfg: DictConfig) -> Preflight:
             raise ConfigError(f"job.{what}={getattr(job, what)} cannot train; valid: "
                               f"{', '.join(sorted(TORCH_DTYPES))}")
     optim_settings(cfg)
+    run_settings(cfg)
     if job.seq_len > mspec.max_position_embeddings:
         raise ConfigError(f"job.seq_len={job.seq_len} is longer than the model allows "
                           f"(max_position_embeddings={mspec.max_position_embeddings})")
@@ -280,6 +282,28 @@ def check_safetensors(files: list[Path]) -> None:
                               f"({str(e).strip().splitlines()[0]})") from None
 
 
+def run_settings(cfg: DictConfig) -> None:
+    """ConfigError (one line) for run settings that would not do what they say: a negative
+    save_every checkpointed every step (step % -1 == 0), stop_at_step=0 was ignored, resume=true
+    without output_dir resumed nothing (Hydra's default run dir is new at every launch), and an
+    output_dir that is a file failed with a traceback. (resume=true without output_dir is the
+    CLI's to refuse: `run` is handed its output_dir.)"""
+    def whole(name: str, lo: int, what: str, allow_null: bool = False) -> None:
+        v = cfg.get(name)
+        if v is None and allow_null:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name} must be {what}, got {v!r}")
+
+    whole("save_every", 0, "a whole number >= 0 (N: a checkpoint every N steps; 0: only at the end)")
+    whole("stop_at_step", 1, "a step >= 1, or null (no planned stop)", allow_null=True)
+    whole("keep_checkpoints", 1, "a whole number >= 1")
+    whole("log_every", 1, "a whole number >= 1")
+    out = cfg.get("output_dir")
+    if out and Path(str(out)).expanduser().exists() and not Path(str(out)).expanduser().is_dir():
+        raise ConfigError(f"output_dir {out} is a file, not a directory")
+
+
 def optim_settings(cfg: DictConfig) -> dict[str, Any]:
     """The optimizer's settings as numbers (lr, betas, eps, weight_decay, max_grad_norm), or a
     ConfigError naming the one that is not; checked in preflight."""
@@ -320,9 +344,12 @@ def optim_settings(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: int) -> torch.nn.Module:
-    """The HF causal LM: from a local dir, else random init (seeded) from the config; LoRA-wrapped."""
+    """The HF causal LM: from a local dir, else random init from the config; LoRA-wrapped. Seeded
+    either way: PEFT draws the adapters' initial values (lora_A) from torch's global RNG, so a
+    loaded model's LoRA run was different on every launch (and no resume could match it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    torch.manual_seed(seed)
     if model_path:
         p = Path(model_path).expanduser()
         try:
@@ -332,7 +359,6 @@ def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: in
     else:
         hf = dict(mspec.hf_config)
         config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if job.mode == "lora":
         try:
@@ -528,6 +554,30 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         # Nothing to undo: the engine is closed on the way out, a checkpoint cut short is removed
         # (the ones before stay whole), metrics and trace rows are flushed as they are written.
         raise TrainingInterrupted(interrupted_message(Path(output_dir).expanduser(), at)) from None
+    finally:
+        if (fd := at.pop("lock_fd", None)) is not None:
+            os.close(fd)   # (releases the output_dir's lock)
+
+
+RUN_LOCK = ".lazytrain-run.lock"
+
+
+def lock_output_dir(out: Path) -> int | None:
+    """An flock on `out`, held while a run writes there (the fd; closing it releases the lock, as
+    the kernel does when the process dies however it dies). Two runs on one output_dir (a scheduler
+    requeueing a job whose first process still runs) both wrote the same checkpoint paths, and one
+    process's metrics rows went into a file the other had replaced. None where flock is unsupported."""
+    fd = os.open(out / RUN_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"output_dir {out} is in use by another lazytrain run (it holds "
+                          f"{out / RUN_LOCK}); wait for it to end, or use another output_dir") from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def interrupted_message(out: Path, at: dict[str, Any]) -> str:
@@ -581,6 +631,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             echo(format_summary(summary))
             return summary
     out.mkdir(parents=True, exist_ok=True)
+    if ranks.main:   # (a launcher's ranks share the dir: one lock, rank 0's)
+        at["lock_fd"] = lock_output_dir(out)
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
     echo(plan_summary(pre.plan))
@@ -779,20 +831,22 @@ def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: i
     metrics rows of the steps before a resume (a resumed run's first loss is still its step 1's,
     not the resume's, so first -> last says what the whole run learnt). Times and memory are this
     process's: measured here and now, on this machine."""
-    if not history:
-        return {"steps": 0, "start_step": start_step, "end_step": end_step}
     before = [(int(r["step"]), float(r["loss"])) for r in earlier
               if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))]
     losses = [x for _, x in before] + [h.loss for h in history]
     k = max(1, min(5, len(losses) // 4))
+    whole_run = {} if not losses else {
+        "loss_from_step": before[0][0] if before else start_step + 1,
+        "first_loss": losses[0], "last_loss": losses[-1],
+        "first_loss_avg": sum(losses[:k]) / k,
+        "last_loss_avg": sum(losses[-k:]) / k}
+    if not history:   # (a resume that only finished the final model: the run's losses still)
+        return {"steps": 0, "start_step": start_step, "end_step": end_step, **whole_run}
     times = sorted(h.step_time_s for h in history[1:] or history)  # step 1 includes warm-up
     med_t = times[len(times) // 2]
     return {
         "steps": len(history), "start_step": start_step, "end_step": end_step, "wall_s": wall_s,
-        "loss_from_step": before[0][0] if before else start_step + 1,
-        "first_loss": losses[0], "last_loss": losses[-1],
-        "first_loss_avg": sum(losses[:k]) / k,
-        "last_loss_avg": sum(losses[-k:]) / k,
+        **whole_run,
         "tokens_per_s": history[-1].tokens / med_t if med_t > 0 else 0.0,
         "measured_step_time_s": med_t,
         "predicted_step_time_s": history[-1].predicted_step_time_s or plan.predicted.step_time_s,

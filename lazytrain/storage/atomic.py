@@ -32,21 +32,23 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def keep_jsonl_rows(path: Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
     """Rewrite JSONL `path` with the rows `keep` accepts (a resume drops those of the steps a killed
-    run wrote past its checkpoint; a line cut short by the kill goes too) and return them."""
+    run wrote past its checkpoint; a line cut short by the kill goes too, as does one that is not
+    UTF-8, which ended a resume with a UnicodeDecodeError) and return them."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().splitlines()
     except FileNotFoundError:
         return []
     except OSError as e:
         raise DiskIOError(e.errno, f"read {path}: {e.strerror}") from e
     kept, rows = [], []
-    for ln in lines:
+    for raw in lines:
         try:
+            ln = raw.decode("utf-8")
             rec = json.loads(ln)
             if keep(rec):
                 kept.append(ln)
                 rows.append(rec)
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             pass
     atomic_write_text(path, "".join(ln + "\n" for ln in kept))
     return rows

@@ -104,9 +104,30 @@ def _not_tokens(path):
     save_file({"other": torch.zeros(3)}, str(path))
 
 
+def _change_a_token(path):
+    """One token id + 1, the file otherwise whole (its checksum the old one): it trained on, or
+    crashed the embedding with an id out of range, and a resume was refused as "other data"."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    d = load_file(str(path))
+    d["tokens"][5] += 1
+    save_file(d, str(path), metadata=meta)
+
+
+def _older_entry(path):
+    """An entry written before checksums: read as a miss once, then rewritten with one."""
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(str(path)), str(path))
+
+
 @pytest.mark.parametrize("corrupt", [lambda p: p.write_bytes(p.read_bytes()[:40]),
-                                     lambda p: p.write_bytes(b""), _not_tokens],
-                         ids=["truncated", "empty", "no-tokens"])
+                                     lambda p: p.write_bytes(b""), _not_tokens, _change_a_token,
+                                     _older_entry],
+                         ids=["truncated", "empty", "no-tokens", "changed-token", "no-checksum"])
 def test_corrupt_cache_file_is_a_miss(tmp_path, tok, caplog, corrupt):
     f = tmp_path / "a.txt"
     f.write_text(TEXT)

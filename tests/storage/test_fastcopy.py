@@ -143,3 +143,40 @@ def test_stream_copy_releases_the_gil(main_thread_stall):
     stall, secs = main_thread_stall(lambda: mod.stream_copy(dst, src))
     assert torch.equal(dst, src)
     assert stall < 0.3 * secs, f"the main thread stalled {stall * 1e3:.0f} ms of a {secs * 1e3:.0f} ms copy"
+
+
+def test_a_killed_loaders_torch_lock_is_removed_not_waited_for(tmp_path):
+    """torch's build lock (`<build dir>/lock`, O_EXCL, removed when done) is taken by every
+    process's first load; one killed meanwhile left it, and every later load waited forever. Under
+    lazytrain's flock (released by the kernel with its process) a `lock` file is a dead one's."""
+    from lazytrain.cext import _build_lock
+
+    (tmp_path / "lock").write_text("")
+    with _build_lock(tmp_path) as stale:
+        assert stale == tmp_path / "lock" and not stale.exists()
+    with _build_lock(tmp_path) as stale:
+        assert stale is None
+
+
+def test_a_live_loader_is_waited_for(tmp_path, capfd):
+    """While another process holds the flock (it is building or loading), its torch lock is live:
+    the second waits, saying so, and finds the lock gone when it gets in."""
+    import subprocess
+    import sys
+    import time
+
+    from lazytrain.cext import _build_lock
+
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); open(sys.argv[2], 'w').close(); print('held', flush=True); "
+            "time.sleep(1.0); os.unlink(sys.argv[2])")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / ".lazytrain-build.lock"),
+                          str(tmp_path / "lock")], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    t = time.perf_counter()
+    with _build_lock(tmp_path) as stale:
+        waited = time.perf_counter() - t
+        assert stale is None and not (tmp_path / "lock").exists()
+    p.wait()
+    assert waited > 0.3
+    assert "waiting for another process" in capfd.readouterr().err
