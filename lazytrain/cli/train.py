@@ -19,12 +19,16 @@ HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--inf
 MULTIRUN_FLAGS = ("--multirun", "-m")
 
 
+NO_DIR = ("", "null", "None", "~")
+
+
 def _normalise(argv: list[str]) -> list[str]:
     """`output_dir=DIR` for a single run: Hydra's own files (.hydra/, train.log) go there too.
     (`model.path=DIR` needs no help: every model config declares `path: null`.)"""
     out = list(argv)
     given = [a.split("=", 1)[1] for a in out if a.startswith("output_dir=")]
-    if given and not any(a.startswith("hydra.run.dir=") for a in out):
+    # (output_dir=null / empty: no dir given; as hydra.run.dir it was Hydra's "not Optional" error)
+    if given and given[-1] not in NO_DIR and not any(a.startswith("hydra.run.dir=") for a in out):
         out.append(f"hydra.run.dir={given[-1]}")
     return out
 
@@ -92,9 +96,9 @@ def _resume_without_output_dir(argv: list[str]) -> bool:
     """resume=true (on the command line; the config's default is false) with neither output_dir
     nor a fixed Hydra run/sweep dir."""
     kv = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
-    fixed = any(k in kv for k in ("hydra.run.dir", "hydra.sweep.dir"))
+    fixed = any(kv.get(k, "null") not in NO_DIR for k in ("hydra.run.dir", "hydra.sweep.dir"))
     return (kv.get("resume", "").lower() == "true" and not fixed
-            and kv.get("output_dir", "null") in ("", "null", "None"))
+            and kv.get("output_dir", "null") in NO_DIR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
                       "model=...` first (it writes configs/hardware/measured.yaml)")
     pre = None
-    if _resume_without_output_dir(argv):
-        return _error(RESUME_NEEDS_OUTPUT_DIR)
     no_run = any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv)
+    if not no_run and _resume_without_output_dir(argv):   # (--cfg/--help print, whatever resume says)
+        return _error(RESUME_NEEDS_OUTPUT_DIR)
     multirun = any(a in MULTIRUN_FLAGS for a in argv)
     if not no_run and not multirun:
         try:

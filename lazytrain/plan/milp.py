@@ -476,7 +476,10 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         mip_gap_found = _gap(prob)
         budget = min(free_resolve_s, time_limit_s - (time.perf_counter() - t0))
         if sym_rows and minimize == "time" and slv_name == "highs" and budget >= 0.5:
-            _free_resolve(prob, sym_rows, solver, budget, mip_gap, presolve)
+            if _free_resolve(prob, sym_rows, solver, budget, mip_gap, presolve):
+                # the plan returned is the re-solve's: its status and gap (a time or node limit
+                # leaves it "feasible", its gap against the free model's bound)
+                mip_status, mip_gap_found = prob.sol_status, _gap(prob)
         for v in prob.variables():
             if v.cat == pulp.LpInteger and v.varValue is not None:
                 v.bounds(round(v.varValue), round(v.varValue))
@@ -517,11 +520,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
 
 
 def _free_resolve(prob: pulp.LpProblem, sym_rows: list[str], solver: str, time_limit_s: float,
-                  mip_gap: float, presolve: bool) -> None:
+                  mip_gap: float, presolve: bool) -> bool:
     """Drop the symmetry-breaking rows and re-solve from the current solution (HiGHS starts with
     it as its incumbent, so it only returns a faster one); keep the faster of the two. Bounded by
     FREE_RESOLVE_NODES nodes, where the result is the same on every run (small models finish
-    before either limit), and by time, where a large model's may depend on the machine's speed."""
+    before either limit), and by time, where a large model's may depend on the machine's speed.
+    Whether the re-solve's solution was kept (prob then holds its status, for `_gap`)."""
     variables = prob.variables()
     before = {v.name: v.varValue for v in variables}
     obj = pulp.value(prob.objective)
@@ -543,6 +547,7 @@ def _free_resolve(prob: pulp.LpProblem, sym_rows: list[str], solver: str, time_l
         for v in variables:
             v.varValue = before[v.name]
         prob.status, prob.sol_status = status, sol_status
+    return better
 
 
 @contextlib.contextmanager

@@ -145,6 +145,11 @@ def memory_backed(path: str | os.PathLike) -> str | None:
     return fstype if fstype in MEMORY_FILESYSTEMS else None
 
 
+def _size(n: int) -> str:
+    """Bytes in GiB to 0.01, or in MiB below 1 GiB ("0.00 GiB" says nothing)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def warn_if_memory_backed(nvme_dir: Path, need_bytes: int) -> None:
     """Warn (once per directory) when the NVMe tier's directory is held in RAM and the plan puts
     bytes there: they take host memory the plan does not count (a host peak planned to fit may
@@ -153,9 +158,9 @@ def warn_if_memory_backed(nvme_dir: Path, need_bytes: int) -> None:
     key = (os.path.realpath(nvme_dir), fs or "")
     if fs and key not in _WARNED_MEMORY_FS:   # (train's preflight checks it, then the executor)
         _WARNED_MEMORY_FS.add(key)
-        log.warning("storage.nvme_dir %s is on %s (RAM): the %.2f GiB the plan puts on NVMe will take "
+        log.warning("storage.nvme_dir %s is on %s (RAM): the %s the plan puts on NVMe will take "
                     "host memory on top of the plan's host peak, at memory speed, not the NVMe rates "
-                    "planned; point storage.nvme_dir at a directory on an SSD", nvme_dir, fs, need_bytes / 2**30)
+                    "planned; point storage.nvme_dir at a directory on an SSD", nvme_dir, fs, _size(need_bytes))
 
 
 def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
@@ -172,8 +177,8 @@ def check_nvme_dir(nvme_dir: str | os.PathLike | None, need_bytes: int) -> Path:
         raise ValueError(f"storage.nvme_dir {p} is not writable ({why})")
     free = shutil.disk_usage(p).free
     if free < need_bytes:
-        raise ValueError(f"storage.nvme_dir {p} has {free / 2**30:.2f} GiB free but the plan needs "
-                         f"{need_bytes / 2**30:.2f} GiB there")
+        raise ValueError(f"storage.nvme_dir {p} has {_size(free)} free but the plan needs "
+                         f"{_size(need_bytes)} there")
     warn_if_memory_backed(p, need_bytes)
     return p
 

@@ -253,3 +253,22 @@ def test_a_cpu_device_plan_with_no_host_left_is_served_from_the_cache(tmp_path, 
     with caplog.at_level(logging.WARNING):
         again = plan_job(model, h, job, options, cache_dir=tmp_path)
     assert "damaged" not in caplog.text and again.input_hash == first.input_hash
+
+
+def test_a_kept_free_resolve_reports_its_own_status_and_gap(monkeypatch):
+    """The re-solve's plan came with the first solve's status and gap: "optimal, 0%" for a plan a
+    node limit had stopped (found in the review of the change that added it)."""
+    from lazytrain.plan import milp
+    model = ModelSpec.from_hf_config(dict(
+        model_type="qwen3", hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096))
+    h = HardwareSpec(name="t", device_type="cuda", device_memory_gib=0.0036430144606381656, host_memory_gib=12,
+                     nvme_capacity_gib=10, h2d_gbps=10, d2h_gbps=10, nvme_read_gbps=0.5, nvme_write_gbps=1.5,
+                     device_tflops=10, workspace_gib=0.001, host_reserve_gib=0)
+    costs = job_costs(model, h, JobSpec(batch_size=1, seq_len=256, grad_accum=2, clip_grad=True))
+    kw = dict(depth=1, mip_gap=0.0, presolve=False, max_segment_len=4)
+    ordered = solve_milp(costs, h, free_resolve_s=0.0, **kw)
+    monkeypatch.setattr(milp, "FREE_RESOLVE_NODES", 1)
+    stopped = solve_milp(costs, h, **kw)
+    assert stopped.objective_s < ordered.objective_s   # kept: the faster plan
+    assert stopped.status == "feasible" and stopped.gap is not None and stopped.gap > 0

@@ -135,3 +135,15 @@ def test_plan_trace_leaves_out_a_step_cut_short(base_overrides, tmp_path, capsys
 def test_plan_flag_given_twice_says_so(capsys, tmp_path):
     rc = plan_cli.main(["--json", str(tmp_path / "a.json"), "--json", str(tmp_path / "b.json")])
     assert rc == 2 and "--json given more than once" in capsys.readouterr().err
+
+
+def test_resume_with_output_dir_null_is_the_same_refusal(base_overrides, tmp_path, capsys, monkeypatch):
+    """output_dir=null became hydra.run.dir=null, which Hydra refused with its own error."""
+    monkeypatch.chdir(tmp_path)
+    rc, io = _main([*base_overrides, "resume=true", "output_dir=null"], capsys)
+    assert rc == 2 and "resume=true needs output_dir=DIR" in io.err and "Traceback" not in io.err
+
+
+def test_resume_does_not_stop_hydra_from_printing_the_config(base_overrides, capsys):
+    rc, io = _main([*base_overrides, "resume=true", "--cfg", "job"], capsys)
+    assert rc == 0 and "resume: true" in io.out

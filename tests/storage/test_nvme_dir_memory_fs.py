@@ -55,3 +55,14 @@ def test_nvme_dir_on_a_disk_is_not_warned(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="lazytrain.storage.tiers"):
         check_nvme_dir(tmp_path, 1 << 20)
     assert not caplog.records
+
+
+def test_small_amounts_are_said_in_mib(caplog, monkeypatch):
+    monkeypatch.setattr(tiers, "_WARNED_MEMORY_FS", set())
+    d = _tmpfs_dir()
+    try:
+        with caplog.at_level(logging.WARNING, logger="lazytrain.storage.tiers"):
+            tiers.warn_if_memory_backed(d, 3 << 20)
+        assert "the 3.0 MiB the plan puts on NVMe" in caplog.records[0].getMessage()
+    finally:
+        d.rmdir()
