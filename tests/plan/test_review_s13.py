@@ -47,10 +47,9 @@ def test_max_batch_is_a_batch_plan_job_plans_where_the_solver_overstates_the_min
     assert need <= min(min_device_bytes(model, h, job, opts, f"heuristic:{m}") for m in HEURISTICS)
 
 
-def test_symmetry_breaking_keeps_the_fastest_plan():
-    """Symmetry breaking orders identical blocks' tiers, which is not valid for the step-time
-    objective: it excluded this 1.2% faster plan (the last block resident, the 3rd not) until the
-    solution was re-solved without those rows (milp._free_resolve)."""
+def _tiny_qwen3_on_a_tight_budget():
+    """(costs, hardware, solve_milp kwargs) of a 4-block Qwen3 job where the symmetry-breaking rows
+    exclude the fastest plan."""
     model = ModelSpec.from_hf_config(dict(
         model_type="qwen3", hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096))
@@ -58,7 +57,14 @@ def test_symmetry_breaking_keeps_the_fastest_plan():
                      nvme_capacity_gib=10, h2d_gbps=10, d2h_gbps=10, nvme_read_gbps=0.5, nvme_write_gbps=1.5,
                      device_tflops=10, workspace_gib=0.001, host_reserve_gib=0)
     costs = job_costs(model, h, JobSpec(batch_size=1, seq_len=256, grad_accum=2, clip_grad=True))
-    kw = dict(depth=1, mip_gap=0.0, presolve=False, max_segment_len=4)
+    return costs, h, dict(depth=1, mip_gap=0.0, presolve=False, max_segment_len=4)
+
+
+def test_symmetry_breaking_keeps_the_fastest_plan():
+    """Symmetry breaking orders identical blocks' tiers, which is not valid for the step-time
+    objective: it excluded this 1.2% faster plan (the last block resident, the 3rd not) until the
+    solution was re-solved without those rows (milp._free_resolve)."""
+    costs, h, kw = _tiny_qwen3_on_a_tight_budget()
     free = solve_milp(costs, h, symmetry_breaking=False, **kw)   # the last block resident, the 3rd not
     ordered = solve_milp(costs, h, **kw)
     assert ordered.objective_s <= free.objective_s * (1 + 1e-9)
@@ -259,14 +265,7 @@ def test_a_kept_free_resolve_reports_its_own_status_and_gap(monkeypatch):
     """The re-solve's plan came with the first solve's status and gap: "optimal, 0%" for a plan a
     node limit had stopped (found in the review of the change that added it)."""
     from lazytrain.plan import milp
-    model = ModelSpec.from_hf_config(dict(
-        model_type="qwen3", hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096))
-    h = HardwareSpec(name="t", device_type="cuda", device_memory_gib=0.0036430144606381656, host_memory_gib=12,
-                     nvme_capacity_gib=10, h2d_gbps=10, d2h_gbps=10, nvme_read_gbps=0.5, nvme_write_gbps=1.5,
-                     device_tflops=10, workspace_gib=0.001, host_reserve_gib=0)
-    costs = job_costs(model, h, JobSpec(batch_size=1, seq_len=256, grad_accum=2, clip_grad=True))
-    kw = dict(depth=1, mip_gap=0.0, presolve=False, max_segment_len=4)
+    costs, h, kw = _tiny_qwen3_on_a_tight_budget()
     ordered = solve_milp(costs, h, free_resolve_s=0.0, **kw)
     monkeypatch.setattr(milp, "FREE_RESOLVE_NODES", 1)
     stopped = solve_milp(costs, h, **kw)

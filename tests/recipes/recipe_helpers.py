@@ -1,4 +1,4 @@
-"""Helpers for the recipe tests: a tiny local data set of English prose."""
+"""Helpers for the recipe tests: a tiny local data set of English prose, a tiny local model dir."""
 
 from __future__ import annotations
 
@@ -19,3 +19,19 @@ def write_text_data(d: Path, copies: int = 20) -> Path:
     p = d / "train.txt"
     p.write_text("\n\n".join(TEXT.replace("sequence", f"sequence {i}") for i in range(copies)))
     return p
+
+
+def tiny_model_dir(tmp_path: Path, tok_dir, seed: int = 5):
+    """A local HF model dir (tiny-llama, vocab 320, fp32 weights seeded with `seed`) with the
+    tokenizer of `tok_dir`; returns (dir, the model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lazytrain.cli.config import load_config, model_spec
+    hf = dict(model_spec(load_config(["model=tiny-llama", "model.hf_config.vocab_size=320"])).hf_config)
+    torch.manual_seed(seed)
+    src = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    mdir = tmp_path / "my-model"
+    src.save_pretrained(mdir)
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(mdir)
+    return mdir, src

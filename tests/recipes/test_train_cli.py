@@ -258,15 +258,8 @@ def test_budget_too_small_exits_2_with_explanation(base_overrides, tmp_path, cap
 
 def test_local_hf_model_dir_with_its_tokenizer(base_overrides, text_data, tmp_path, capsys):
     """model.path=DIR: from_pretrained weights; the tokenizer defaults to the model dir."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from lazytrain.cli.config import load_config, model_spec
-    hf = dict(model_spec(load_config(["model=tiny-llama", "model.hf_config.vocab_size=320"])).hf_config)
-    torch.manual_seed(5)
-    src = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
-    mdir = tmp_path / "my-model"
-    src.save_pretrained(mdir)
-    AutoTokenizer.from_pretrained(text_data[1]).save_pretrained(mdir)
+    from recipe_helpers import tiny_model_dir
+    mdir, src = tiny_model_dir(tmp_path, text_data[1])
     ov = [o for o in base_overrides if not o.startswith(("model=", "model.hf_config", "data.tokenizer"))]
     out = tmp_path / "run"
     rc, io = _main([*ov, f"model.path={mdir}", "job.mode=lora", "job.lora_rank=2", "job.max_steps=2",

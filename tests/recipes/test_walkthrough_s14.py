@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lazytrain.cli import plan as plan_cli
+from recipe_helpers import tiny_model_dir
 from lazytrain.cli import train as cli
 
 STREAMED = ["engine=lazytrain", "hardware.device_memory_gib=0.002", "hardware.workspace_gib=0.0001"]
@@ -21,23 +22,10 @@ def _main(args, capsys):
     return rc, capsys.readouterr()
 
 
-def _model_dir(tmp_path, text_data):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from lazytrain.cli.config import load_config, model_spec
-    hf = dict(model_spec(load_config(["model=tiny-llama", "model.hf_config.vocab_size=320"])).hf_config)
-    torch.manual_seed(5)
-    src = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
-    mdir = tmp_path / "my-model"
-    src.save_pretrained(mdir)
-    AutoTokenizer.from_pretrained(text_data[1]).save_pretrained(mdir)
-    return mdir
-
-
 def test_lora_on_a_loaded_model_is_the_same_run_every_time(base_overrides, text_data, tmp_path, capsys):
     """PEFT draws lora_A from torch's global RNG, which was seeded only for models built from a
     config: two launches of the same LoRA job on model.path differed from step 2 on."""
-    mdir = _model_dir(tmp_path, text_data)
+    mdir, _ = tiny_model_dir(tmp_path, text_data[1])
     ov = [o for o in base_overrides if not o.startswith(("model=", "model.hf_config", "data.tokenizer"))]
     rows = []
     for name in ("a", "b"):
