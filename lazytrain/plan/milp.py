@@ -212,12 +212,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     def host_fetched_bytes(j):
         return sum(b * pv(owner, "host") for owner, b in parts[j])
 
-    # Symmetry breaking: consecutive identical blocks are interchangeable in the window model, so
-    # order their tiers (device-resident first, NVMe last). This removes the permutations that
-    # otherwise keep branch-and-bound busy proving optimality, and loses nothing.
-    # Not exact, though: the windows around a block differ with the recompute segments, and a
-    # plan that interleaves tiers can spread NVMe traffic over more windows (qwen3-14b full at
-    # 2048 tokens on an RTX 3090: 94.76 vs 96.07 s per step). Hence the free re-solve below.
+    # Symmetry breaking: order consecutive identical blocks' tiers (device-resident first, NVMe
+    # last). This removes the permutations that otherwise keep branch-and-bound busy proving
+    # optimality. Exact for the device peak, not for the step time: the windows around a block
+    # differ with the recompute segments, and a plan that interleaves tiers can spread NVMe
+    # traffic over more windows (qwen3-14b full at 2048 tokens on an RTX 3090: 94.76 vs 96.07 s
+    # per step). Hence the free re-solve after the solve (_free_resolve).
     sym_rows: list[str] = []
     if symmetry_breaking:
         for j in range(1, L):
