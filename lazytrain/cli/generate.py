@@ -14,6 +14,22 @@ import sys
 USAGE = __doc__
 
 
+def _prompt_ids(v) -> list[int] | None:
+    """prompt_ids=[1,2,3] as ints; ValueError for anything else (5 was a TypeError traceback,
+    [a,b] "too many dimensions 'str'")."""
+    from omegaconf import ListConfig
+
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple, ListConfig)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v):   # (the range: generate's)
+        raise ValueError(f"prompt_ids must be a list of token ids (whole numbers), e.g. "
+                         f"prompt_ids=[1,2,3]; got {v!r}")
+    if not v:   # (an empty list: not the default prompt)
+        raise ValueError("prompt_ids=[] is empty; give token ids, or prompt=TEXT")
+    return [int(x) for x in v]
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -29,9 +45,7 @@ def main(argv: list[str]) -> int:
                              "(create it with `lazytrain moe convert model.path=HF_DIR out=STORE_DIR`)")
         from ..moe.api import generate
 
-        prompt_ids = list(cfg.prompt_ids) if cfg.get("prompt_ids") is not None else None
-        if prompt_ids is not None and not prompt_ids:   # (an empty list: not the default prompt)
-            raise ValueError("prompt_ids=[] is empty; give token ids, or prompt=TEXT")
+        prompt_ids = _prompt_ids(cfg.get("prompt_ids"))
         res = generate(cfg.moe.store, prompt=cfg.prompt, prompt_ids=prompt_ids,
                        max_new_tokens=int(cfg.max_new_tokens), **engine_kwargs(cfg))
     except USER_ERRORS as e:

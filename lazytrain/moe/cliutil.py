@@ -18,11 +18,21 @@ def compose(overrides: list[str]):
     return load_config(ovs)
 
 
+def _whole(name: str, v, lo: int) -> int:
+    """A whole number >= lo, or ValueError naming the setting (1.7 was truncated to 1; a negative
+    prefetch_extra crashed mid-generation)."""
+    if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()) or v < lo:
+        raise ValueError(f"moe.{name} must be a whole number >= {lo}, got {v!r}")
+    return int(v)
+
+
 def engine_kwargs(cfg) -> dict:
     m = cfg.moe
     return dict(model_path=cfg.model.get("path"), cache_slots=m.cache_slots,
                 cache_fraction=m.cache_fraction, eviction=m.eviction, prefetch=m.prefetch,
-                predictor_path=m.predictor, lookahead=m.lookahead if str(m.lookahead) == "auto" else int(m.lookahead), prefetch_extra=int(m.prefetch_extra),
+                predictor_path=m.predictor,
+                lookahead=m.lookahead if str(m.lookahead) == "auto" else _whole("lookahead", m.lookahead, 1),
+                prefetch_extra=_whole("prefetch_extra", m.prefetch_extra, 0),
                 device=m.device, io_workers=int(m.io_workers), queue_depth=m.queue_depth, verify=m.verify,
                 direct=bool(m.direct_io), host_cache_fraction=m.get("host_cache_fraction", 0.0) or 0.0,
                 host_cache_slots=m.get("host_cache_slots", None))

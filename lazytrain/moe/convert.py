@@ -133,6 +133,14 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
     if missing:
         raise StoreError(f"{src}: checkpoint lacks {len(missing)} weights the model needs, "
                          f"e.g. {', '.join(missing[:3])}")
+    # every expert's weights found before anything is written (a missing one, found at its layer,
+    # left the layers before it behind in `out`)
+    for ml in layers:
+        for e in range(ml.num_experts):
+            for t in ml.tensors:
+                if (ml.experts_name, t.name) not in fused and _split_parts(ml, e, t.name, split) is None:
+                    raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
+                                     "(neither fused nor per-expert keys found)")
 
     writer = StoreWriter(out_dir, hf_config)
     files = _OpenShards()   # each shard's header is parsed once, not once per tensor

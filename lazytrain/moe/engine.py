@@ -309,6 +309,8 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
     if not cache_slots:
         cache_fraction = check_cache_fraction(cache_fraction)
     check_device(device)
+    if verify not in ("first", "always", "never"):   # (checked by the cache too, after the model loaded)
+        raise ValueError(f"moe.verify must be first|always|never, got {verify!r}")
     _check_count("cache_slots", cache_slots)
     _check_count("queue_depth", queue_depth)
     store = ExpertStore(store_dir, direct=direct)
@@ -328,6 +330,8 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         gen_dir = next((d for d in (src, store.dir) if (d / "generation_config.json").is_file()), None)
         if gen_dir is not None:
             model.generation_config = GenerationConfig.from_pretrained(str(gen_dir))
+        if verify != "never":
+            store.verify_non_expert()
         try:
             sd = load_file(str(store.non_expert_path), device=str(device))
         except SafetensorError as e:

@@ -71,9 +71,20 @@ class LayerRecord:
     @staticmethod
     def from_json(d: dict) -> "LayerRecord":
         ts = tuple(ExpertTensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in d["tensors"])
-        return LayerRecord(int(d["block_index"]), d["experts_name"], int(d["num_experts"]),
-                           int(d["top_k"]), d["file"], int(d["record_bytes"]), ts,
-                           tuple(int(t["offset"]) for t in d["tensors"]), tuple(int(c) for c in d["crc32"]))
+        lr = LayerRecord(int(d["block_index"]), d["experts_name"], int(d["num_experts"]),
+                         int(d["top_k"]), d["file"], int(d["record_bytes"]), ts,
+                         tuple(int(t["offset"]) for t in d["tensors"]), tuple(int(c) for c in d["crc32"]))
+        if len(lr.crc32) != lr.num_experts:   # (an IndexError at the first load of a later expert)
+            raise ValueError(f"layer {lr.block_index}: {len(lr.crc32)} checksums for {lr.num_experts} experts")
+        return lr
+
+
+def file_crc32(path: Path, chunk: int = 8 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def record_layout(tensors: tuple[ExpertTensorSpec, ...]) -> tuple[tuple[int, ...], int]:
@@ -115,6 +126,8 @@ class StoreWriter:
 
     def __init__(self, out_dir: str | os.PathLike, hf_config: dict) -> None:
         self.dir = Path(out_dir)
+        if self.dir.exists() and not self.dir.is_dir():   # (was "[Errno 17] File exists")
+            raise StoreError(f"out={self.dir} is a file; convert into a new or empty directory")
         if self.dir.is_dir() and any(self.dir.iterdir()) and (not _holds_a_store(self.dir)
                                                              or _holds_hf_weights(self.dir)):
             raise StoreError(f"{self.dir} holds other files and no expert store; convert into a new "
@@ -151,12 +164,15 @@ class StoreWriter:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
                   str(self.dir / NON_EXPERT))
         share_like_umask(self.dir / NON_EXPERT)   # safetensors writes 0600 (storage/filemode.py)
+        self.non_expert = {"bytes": (self.dir / NON_EXPERT).stat().st_size,
+                           "crc32": file_crc32(self.dir / NON_EXPERT)}
 
     def close(self) -> Path:
         (self.dir / "config.json").write_text(json.dumps(self.hf_config, indent=2, sort_keys=True))
         index = {"format": FORMAT, "version": VERSION, "align_bytes": ALIGN_BYTES,
                  "model_type": self.hf_config.get("model_type"),
-                 "layers": [lr.to_json() for lr in self.layers]}
+                 "layers": [lr.to_json() for lr in self.layers],
+                 "non_expert": getattr(self, "non_expert", None)}
         tmp = self.dir / (INDEX + ".tmp")
         tmp.write_text(json.dumps(index, indent=1))
         tmp.replace(self.dir / INDEX)
@@ -182,7 +198,12 @@ class ExpertStore:
         if index.get("format") != FORMAT or index.get("version") != VERSION:
             raise StoreError(f"{idx}: format {index.get('format')!r} v{index.get('version')} is not "
                              f"{FORMAT} v{VERSION}; reconvert the model")
-        self.layers = [LayerRecord.from_json(d) for d in index["layers"]]
+        try:
+            self.layers = [LayerRecord.from_json(d) for d in index["layers"]]
+            ne = index.get("non_expert")
+            self.non_expert = None if ne is None else {"bytes": int(ne["bytes"]), "crc32": int(ne["crc32"])}
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"{idx}: malformed ({type(e).__name__}: {e}); reconvert") from None
         self.model_type = index.get("model_type")
         self.hf_config = json.loads((self.dir / "config.json").read_text())
         self._files: list[DirectFile] = []
@@ -233,6 +254,22 @@ class ExpertStore:
         """Read one expert record into `buf` (uint8, >= record_bytes, 4096-aligned); returns bytes."""
         lr = self.layers[layer]
         return self._files[layer].read_into(buf[:lr.record_bytes], expert * lr.record_bytes)
+
+    def verify_non_expert(self) -> None:
+        """Check non_expert.safetensors against the size and crc32 the index recorded (stores
+        converted before they were recorded are not checked): a changed byte in the embedding gave
+        other tokens, silently."""
+        if self.non_expert is None:
+            return
+        p = self.non_expert_path
+        size = p.stat().st_size if p.is_file() else None
+        if size != self.non_expert["bytes"]:
+            raise StoreMismatchError(f"{p}: size {size if size is not None else 'missing'}, index says "
+                                     f"{self.non_expert['bytes']} bytes; the store is corrupt, reconvert")
+        crc = file_crc32(p)
+        if crc != self.non_expert["crc32"]:
+            raise StoreMismatchError(f"checksum mismatch: {p} (crc32 {crc:08x}, index "
+                                     f"{self.non_expert['crc32']:08x}); the store is corrupt, reconvert")
 
     def verify(self, layer: int, expert: int, buf: torch.Tensor) -> None:
         lr = self.layers[layer]
