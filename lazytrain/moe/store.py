@@ -140,6 +140,7 @@ class StoreWriter:
             f.unlink()
         self.hf_config = hf_config
         self.layers: list[LayerRecord] = []
+        self.non_expert: dict[str, int] | None = None   # its size and crc32, once written
 
     def write_layer(self, layer: MoeLayer, expert_tensors) -> LayerRecord:
         """`expert_tensors(e) -> {name: tensor}` gives expert e's per-expert slices."""
@@ -172,7 +173,7 @@ class StoreWriter:
         index = {"format": FORMAT, "version": VERSION, "align_bytes": ALIGN_BYTES,
                  "model_type": self.hf_config.get("model_type"),
                  "layers": [lr.to_json() for lr in self.layers],
-                 "non_expert": getattr(self, "non_expert", None)}
+                 "non_expert": self.non_expert}
         tmp = self.dir / (INDEX + ".tmp")
         tmp.write_text(json.dumps(index, indent=1))
         tmp.replace(self.dir / INDEX)
