@@ -105,10 +105,9 @@ def train_predictor(eng: StreamedMoE, token_ids: list[int], out: str | Path, *, 
     if len(token_ids) < seq_len:
         raise ValueError(f"the training text has {len(token_ids)} tokens, less than one sequence of "
                          f"seq_len={seq_len}; give more text or a smaller seq_len")
-    o = Path(out).expanduser()
-    if o.is_dir() or not o.parent.is_dir():   # (found after all the training, as a traceback)
-        raise ValueError(f"out={out}: " + ("is a directory; give a file path (e.g. predictor.safetensors)"
-                                           if o.is_dir() else f"its directory {o.parent} does not exist"))
+    out = Path(out).expanduser()   # (save() would have written a literal ./~ dir)
+    if out.is_dir():   # (found after all the training, as a traceback)
+        raise ValueError(f"out={out} is a directory; give a file path (e.g. predictor.safetensors)")
     traces = record_traces(eng, token_ids, seq_len, max_tokens)
     n = traces[0][0].shape[0]
     cut = int(n * (1 - holdout)) // seq_len * seq_len or n

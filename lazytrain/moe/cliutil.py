@@ -21,6 +21,8 @@ def compose(overrides: list[str]):
 def _whole(name: str, v, lo: int) -> int:
     """A whole number >= lo, or ValueError naming the setting (1.7 was truncated to 1; a negative
     prefetch_extra crashed mid-generation)."""
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():   # ('3', quoted: int("3") took it)
+        v = int(v)
     if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()) or v < lo:
         raise ValueError(f"moe.{name} must be a whole number >= {lo}, got {v!r}")
     return int(v)

@@ -311,6 +311,9 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
     check_device(device)
     if verify not in ("first", "always", "never"):   # (checked by the cache too, after the model loaded)
         raise ValueError(f"moe.verify must be first|always|never, got {verify!r}")
+    if isinstance(prefetch_extra, bool) or not isinstance(prefetch_extra, int) or prefetch_extra < 0:
+        # (a negative one crashed mid-generation, 1.5 in topk)
+        raise ValueError(f"moe.prefetch_extra must be a whole number >= 0, got {prefetch_extra!r}")
     _check_count("cache_slots", cache_slots)
     _check_count("queue_depth", queue_depth)
     store = ExpertStore(store_dir, direct=direct)

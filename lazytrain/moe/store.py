@@ -125,11 +125,14 @@ class StoreWriter:
     incomplete and refused)."""
 
     def __init__(self, out_dir: str | os.PathLike, hf_config: dict) -> None:
-        self.dir = Path(out_dir)
+        self.dir = Path(out_dir).expanduser()   # (as ExpertStore reads it: not a literal ./~)
         if self.dir.exists() and not self.dir.is_dir():   # (was "[Errno 17] File exists")
             raise StoreError(f"out={self.dir} is a file; convert into a new or empty directory")
-        if self.dir.is_dir() and any(self.dir.iterdir()) and (not _holds_a_store(self.dir)
-                                                             or _holds_hf_weights(self.dir)):
+        if self.dir.is_dir() and _holds_hf_weights(self.dir):
+            raise StoreError(f"{self.dir} holds other files than a store's: model weights (*.safetensors "
+                             f"other than {NON_EXPERT}, a safetensors index or pytorch_model*.bin); convert "
+                             "into a new or empty directory (converting replaces a store's files there)")
+        if self.dir.is_dir() and any(self.dir.iterdir()) and not _holds_a_store(self.dir):
             raise StoreError(f"{self.dir} holds other files and no expert store; convert into a new "
                              "or empty directory (converting replaces a store's files there)")
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -96,3 +96,53 @@ def test_convert_into_a_file_is_one_line(tiny_moe, tmp_path):
     with pytest.raises(StoreError, match="is a file; convert into a new or empty directory"):
         convert_model(tiny_moe("mixtral"), f)
     assert f.read_text() == "mine"
+
+
+# ---- a review of the fixes above ----------------------------------------------------------------
+def test_api_checks_prefetch_extra_and_verify_before_loading_the_model(mixtral_store, monkeypatch):
+    import lazytrain.moe.engine as E
+
+    _, d = mixtral_store
+    with pytest.raises(ValueError, match="moe.prefetch_extra must be a whole number >= 0, got -3"):
+        load_streamed(d / "store", cache_slots=16, prefetch="gate", prefetch_extra=-3)
+
+    def never(*a, **k):
+        raise AssertionError("the model was built before the settings were checked")
+    monkeypatch.setattr(E, "build_meta_model", never)
+    with pytest.raises(ValueError, match="moe.verify must be first|always|never"):
+        load_streamed(d / "store", cache_slots=16, prefetch="none", verify="bogus")
+
+
+def test_quoted_whole_numbers_are_taken():
+    from lazytrain.moe.cliutil import _whole
+    assert _whole("lookahead", "3", 1) == 3 and _whole("prefetch_extra", 2.0, 0) == 2
+
+
+def test_predictor_and_store_paths_expand_home_and_new_dirs(mixtral_store, tiny_moe, tmp_path, monkeypatch):
+    """out=~/p.safetensors was written to ./~/; a new sub-directory was refused (save makes it)."""
+    from lazytrain.moe import convert_model
+    from lazytrain.moe.api import train_predictor
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    convert_model(tiny_moe("mixtral"), "~/st")
+    assert (tmp_path / "st" / "index.json").is_file() and not (tmp_path / "~").exists()
+    _, d = mixtral_store
+    eng = load_streamed(d / "store", cache_slots=16, prefetch="none")
+    try:
+        train_predictor(eng, [i % 128 for i in range(300)], "~/new/p.safetensors", seq_len=32, max_tokens=200, steps=2,
+                        log=lambda *_: None)
+    finally:
+        eng.close()
+    assert (tmp_path / "new" / "p.safetensors").is_file()
+
+
+def test_a_store_dir_with_another_safetensors_is_refused_as_holding_weights(mixtral_store, tiny_moe, tmp_path):
+    from lazytrain.moe import convert_model
+
+    _, d = mixtral_store
+    st = tmp_path / "st"
+    shutil.copytree(d / "store", st)
+    (st / "predictor.safetensors").write_bytes(b"x")
+    with pytest.raises(StoreError, match="than a store's: model weights"):
+        convert_model(tiny_moe("mixtral"), st)
