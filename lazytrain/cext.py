@@ -11,7 +11,6 @@ plain torch.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -64,26 +63,25 @@ def _build_lock(directory: Path) -> Iterator[Path | None]:
     with its process, so whoever holds this one is alive, and a ``lock`` file found while holding
     it was left by a dead process (every loader of the dir takes this flock first): it is removed
     and yielded (else None). Where flock is unsupported, nothing is locked or removed."""
-    fd = os.open(directory / ".lazytrain-build.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    from .storage.filemode import hold_flock
+
+    lock = directory / ".lazytrain-build.lock"
     try:
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                print(f"lazytrain: waiting for another process building or loading {directory.name}...",
-                      file=sys.stderr, flush=True)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            locked = True
-        except OSError:
-            locked = False
+        fd = hold_flock(lock)
+    except BlockingIOError:
+        print(f"lazytrain: waiting for another process building or loading {directory.name}...",
+              file=sys.stderr, flush=True)
+        fd = hold_flock(lock, wait=True)
+    try:
         stale = directory / "lock"
-        if locked and stale.exists():
+        if fd is not None and stale.exists():
             stale.unlink(missing_ok=True)
             yield stale
         else:
             yield None
     finally:
-        os.close(fd)   # (releases the flock)
+        if fd is not None:
+            os.close(fd)   # (releases the flock)
 
 
 class Extension:

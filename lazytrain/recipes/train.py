@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import fcntl
 import os
 import shutil
 import time
@@ -33,7 +32,7 @@ from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import DiskIOError
 from ..storage.atomic import keep_jsonl_rows
-from ..storage.filemode import share_like_umask
+from ..storage.filemode import hold_flock, share_like_umask
 from ..storage.tiers import remove_dead_scratch, warn_if_memory_backed
 from . import checkpoint as ckpt
 from .ds_settings import check_deepspeed_config, deepspeed_overrides
@@ -284,8 +283,7 @@ def check_safetensors(files: list[Path]) -> None:
 
 def run_settings(cfg: DictConfig) -> None:
     """ConfigError (one line) for run settings that would not do what they say: a negative
-    save_every checkpointed every step (step % -1 == 0), stop_at_step=0 was ignored, resume=true
-    without output_dir resumed nothing (Hydra's default run dir is new at every launch), and an
+    save_every checkpointed every step (step % -1 == 0), stop_at_step=0 was ignored, and an
     output_dir that is a file failed with a traceback. (resume=true without output_dir is the
     CLI's to refuse: `run` is handed its output_dir.)"""
     def whole(name: str, lo: int, what: str, allow_null: bool = False) -> None:
@@ -300,7 +298,7 @@ def run_settings(cfg: DictConfig) -> None:
     whole("keep_checkpoints", 1, "a whole number >= 1")
     whole("log_every", 1, "a whole number >= 1")
     out = cfg.get("output_dir")
-    if out and Path(str(out)).expanduser().exists() and not Path(str(out)).expanduser().is_dir():
+    if out and Path(str(out)).expanduser().is_file():
         raise ConfigError(f"output_dir {out} is a file, not a directory")
 
 
@@ -563,21 +561,15 @@ RUN_LOCK = ".lazytrain-run.lock"
 
 
 def lock_output_dir(out: Path) -> int | None:
-    """An flock on `out`, held while a run writes there (the fd; closing it releases the lock, as
-    the kernel does when the process dies however it dies). Two runs on one output_dir (a scheduler
-    requeueing a job whose first process still runs) both wrote the same checkpoint paths, and one
-    process's metrics rows went into a file the other had replaced. None where flock is unsupported."""
-    fd = os.open(out / RUN_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    """An flock on `out` held while a run writes there (storage.filemode.hold_flock: the fd, or
+    None where flock is unsupported). Two runs on one output_dir (a scheduler requeueing a job
+    whose first process still runs) both wrote the same checkpoint paths, and one process's
+    metrics rows went into a file the other had replaced."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return hold_flock(out / RUN_LOCK)
     except BlockingIOError:
-        os.close(fd)
         raise ConfigError(f"output_dir {out} is in use by another lazytrain run (it holds "
                           f"{out / RUN_LOCK}); wait for it to end, or use another output_dir") from None
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def interrupted_message(out: Path, at: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ into place.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import threading
@@ -83,3 +84,20 @@ def cannot_write_in(folder: str | os.PathLike) -> str | None:
     except OSError as e:
         return e.strerror or str(e)
     return None
+
+
+def hold_flock(path: str | os.PathLike, wait: bool = False) -> int | None:
+    """An fd holding an exclusive flock on `path` (created if missing): closing it releases the
+    lock, as the kernel does when the process dies, however it dies. If another process holds it,
+    BlockingIOError (or, with `wait`, block until it is free). None where the filesystem has no
+    flock (the caller goes on unlocked)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
