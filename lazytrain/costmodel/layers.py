@@ -227,9 +227,6 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     # they have left (the executor keeps at most two layers' in flight; one on a CPU device, where
     # they leave inline); plan/ops.grads_in_flight.
     device_static = hw.workspace_bytes + lora_bytes + 2 * bnd
-    host_capacity = hw.host_usable_bytes
-    if hw.device_type == "cpu":  # the "device" budget is carved out of the same RAM
-        host_capacity = max(0, host_capacity - hw.device_memory_bytes)
     return JobCosts(
         layers=tuple(out), num_blocks=model.num_layers, grad_accum=job.grad_accum,
         tokens_per_micro_batch=tokens, device_static_bytes=device_static,
@@ -237,7 +234,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         # backward (the executor's borrowed_grads), in the compute dtype
         host_static_bytes=model.vocab_size * model.hidden_size * cb
         if (full and model.tie_word_embeddings) else 0,
-        host_capacity_bytes=host_capacity,
+        host_capacity_bytes=hw.host_capacity_bytes,   # (a CPU device's budget comes out of it)
         device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
         trains_base=full, clip_grad=job.clip_grad,
         direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1 and not job.clip_grad

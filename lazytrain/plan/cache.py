@@ -43,10 +43,10 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
     if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
         return f"predicted step time {t!r} s"
     hw = plan.hardware
-    # capacities as job_costs has them (a CPU device's budget comes out of host RAM); the slack
-    # covers the solver's feasibility tolerance (memory rows are in GiB: ~1e-7 GiB)
-    host_cap = max(0, hw.host_usable_bytes - (hw.device_memory_bytes if hw.device_type == "cpu" else 0))
-    for tier, cap in (("device", hw.device_memory_bytes), ("host", host_cap), ("nvme", hw.nvme_capacity_bytes)):
+    # capacities as job_costs has them; the slack covers the solver's feasibility tolerance
+    # (memory rows are in GiB: ~1e-7 GiB)
+    for tier, cap in (("device", hw.device_memory_bytes), ("host", hw.host_capacity_bytes),
+                      ("nvme", hw.nvme_capacity_bytes)):
         if peaks[tier] > cap * (1 + 1e-6) + 4096:
             return f"predicted {tier} peak {peaks[tier]} bytes above its capacity ({max(cap, 0)} bytes)"
     n = plan.model_config.get("num_hidden_layers")

@@ -520,7 +520,7 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     if need is None:
         host, nvme = _least_host_and_nvme(model, hw, job, options, method)
         # what the planner gives the host: less the reserve and, for a CPU device, its budget
-        cap = job_costs(model, hw, job).host_capacity_bytes
+        cap = hw.host_capacity_bytes
         usable = f"{_gib(cap)} usable" + (f" after the CPU device's {_gib(hw.device_memory_bytes)}"
                                           if hw.device_type == "cpu" else "")
         if host > cap:

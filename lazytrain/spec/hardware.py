@@ -77,6 +77,11 @@ class HardwareSpec:
     @property
     def host_usable_bytes(self) -> int: return max(0, int((self.host_memory_gib - self.host_reserve_gib) * GiB))
     @property
+    def host_capacity_bytes(self) -> int:
+        """What the planner may put on the host tier: the usable host RAM, less a CPU device's
+        budget (carved out of the same RAM), at least 0."""
+        return max(0, self.host_usable_bytes - (self.device_memory_bytes if self.device_type == "cpu" else 0))
+    @property
     def h2d_bytes_per_s(self) -> float: return self.h2d_gbps * GB
     @property
     def d2h_bytes_per_s(self) -> float: return self.d2h_gbps * GB
