@@ -7,7 +7,6 @@ number. Times are analytic (FLOPs / achieved FLOP/s); `lazytrain profile` fits t
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 
 from ..spec import HardwareSpec, JobSpec, ModelSpec

@@ -178,11 +178,12 @@ def _call_args(args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**kwargs, POSITIONAL: args} if args else kwargs
 
 
-def _rng_states(devices: list[torch.device]) -> tuple[torch.Tensor, ...]:
+def rng_states(devices: list[torch.device]) -> tuple[torch.Tensor, ...]:
+    """The CPU generator's state and each CUDA device's in `devices` (restored by set_rng_states)."""
     return (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices))
 
 
-def _set_rng_states(states: tuple[torch.Tensor, ...], devices: list[torch.device]) -> None:
+def set_rng_states(states: tuple[torch.Tensor, ...], devices: list[torch.device]) -> None:
     torch.set_rng_state(states[0])
     for st, d in zip(states[1:], devices):
         torch.cuda.set_rng_state(st, d)
@@ -220,7 +221,7 @@ class _Recorder(nn.Module):
         if self.calls is not None:
             self.calls.append(self.index)
         if self.rng_devices is not None:
-            self.rng = _rng_states(self.rng_devices)
+            self.rng = rng_states(self.rng_devices)
         if self.last:   # stop before the final norm (whose weights may be streamed, not resident)
             raise _Captured(args, kwargs)
         if self.wrap is None:
@@ -475,7 +476,7 @@ def _probe_mode(parts: DecoderParts, ids: torch.Tensor, labels: torch.Tensor, ch
                 training: bool, devices: list[torch.device], what: str) -> None:
     mode = " in training" if training else ""
     differ = "so the executor's loss and gradients would differ from the model's own forward"
-    start = _rng_states(devices)
+    start = rng_states(devices)
     # what blocks return: the tensor itself, or a tuple the model's loop unpacks (a tensor there
     # gives `outputs[0]` the first sequence of the batch); failing both, block 0 runs once to show
     # it. Found in eval mode, kept for train mode.
@@ -484,7 +485,7 @@ def _probe_mode(parts: DecoderParts, ids: torch.Tensor, labels: torch.Tensor, ch
     k = 0
     while k < len(wraps):
         wrap, k = wraps[k], k + 1
-        _set_rng_states(start, devices)
+        set_rng_states(start, devices)
         recorders, calls, loss, error = _probe_pass(parts, ids, labels, wrap, devices)
         if error is None:
             parts.block_returns = wrap
@@ -504,7 +505,7 @@ def _probe_mode(parts: DecoderParts, ids: torch.Tensor, labels: torch.Tensor, ch
         raise ModelStructureError(f"{what}: the model's forward calls its blocks in the order {calls[:12]}{mode}, "
                                   f"not each once in order as the executor does (e.g. layerdrop), {differ}")
     h0 = recorders[0].hidden
-    _set_rng_states(start, devices)
+    set_rng_states(start, devices)
     embedded = parts.embed(ids)
     if not _same(embedded, h0):
         if training:
@@ -516,7 +517,7 @@ def _probe_mode(parts: DecoderParts, ids: torch.Tensor, labels: torch.Tensor, ch
             f"{what}: the model's forward transforms the embedding output before block 0 (e.g. an "
             f"embedding_multiplier or scale, position embeddings or a norm applied outside the input "
             f"embedding), {differ}: not supported (where the config has such a multiplier, set it to 1)")
-    if not _same(_rng_states(devices), recorders[0].rng):
+    if not _same(rng_states(devices), recorders[0].rng):
         raise ModelStructureError(f"{what}: the model's forward draws random numbers between the embedding and "
                                   f"block 0{mode}, {differ} (dropout in the blocks would draw other masks): "
                                   f"set its dropout to 0 in the config, or train in eval mode")
@@ -545,7 +546,7 @@ def _probe_mode(parts: DecoderParts, ids: torch.Tensor, labels: torch.Tensor, ch
         _LOG.warning("%s: the model's forward returned no loss for labels; the structure probe could not "
                      "compare the executor's head with it", what)
         return
-    _set_rng_states(recorders[-1].rng, devices)
+    set_rng_states(recorders[-1].rng, devices)
     mine = head_loss(parts, recorders[-1].hidden, labels)
     if not _same(mine, loss):
         raise ModelStructureError(
@@ -554,7 +555,7 @@ def _probe_mode(parts: DecoderParts, ids: torch.Tensor, labels: torch.Tensor, ch
             f"{differ}: not supported (where the config value disables it, set it: e.g. "
             f"final_logit_softcapping=None, logit_scale=1, logits_scaling=1)")
     if chunk_tokens > 0:
-        _set_rng_states(recorders[-1].rng, devices)
+        set_rng_states(recorders[-1].rng, devices)
         chunked = head_loss(parts, recorders[-1].hidden, labels, chunk_tokens)
         if not torch.allclose(chunked.float(), loss.float(), rtol=1e-3, atol=0):
             raise ModelStructureError(f"{what}: job.loss_chunk_tokens: the chunked loss ({float(chunked):.6g}) is "

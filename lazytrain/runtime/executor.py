@@ -33,7 +33,8 @@ from torch import nn
 
 from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss,
                               embedding_backward_reads_weights, find_parts, head_loss, probe_forward,
-                              router_aux, router_aux_enabled, run_block, run_block_routed)
+                              rng_states, router_aux, router_aux_enabled, run_block, run_block_routed,
+                              set_rng_states)
 from ..plan.plan import Plan
 from ..spec.model import experts_implementation
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
@@ -722,12 +723,10 @@ class StreamingExecutor:
 
     # ---- a micro-batch -------------------------------------------------------------------
     def _rng_state(self) -> tuple:
-        return (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None)
+        return rng_states([self.device] if self.cuda else [])
 
     def _set_rng_state(self, st: tuple) -> None:
-        torch.set_rng_state(st[0])
-        if st[1] is not None:
-            torch.cuda.set_rng_state(st[1], self.device)
+        set_rng_states(st, [self.device] if self.cuda else [])
 
     def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool) -> float:
         ids, labels = ids.to(self.device), labels.to(self.device)
