@@ -7,6 +7,13 @@ with the model's own routing (top_k_index, top_k_weights). We load those experts
 cache slots, and run the model's original experts kernel (grouped_mm / batched_mm / eager) on
 slot-indexed views of the cache pool. Same kernel, same weights, same routing: the output is the
 all-resident model's output, token for token.
+
+With the grouped_mm and batched_mm kernels the views are the whole pool ([num_slots, ...], strided
+over slots) and expert ids are remapped to slot ids: the kernel reads the routed slots in place and
+no expert weight is copied. Both kernels sum a token's top-k outputs by position, so the order of
+the groups (slot order, not expert order) does not change a bit. The eager kernel adds each
+expert's output in the loop's order (expert order), so it gets the routed experts gathered into
+contiguous [n_routed, ...] tensors under ids 0..n-1 (sorted: the same order).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .store import ExpertStore, StoreError, StoreMismatchError
 _LOG = logging.getLogger(__name__)
 
 EXPERTS_IMPL = "lazytrain_stream"
+ZERO_COPY_KERNELS = ("grouped_mm", "batched_mm")   # read the pool's slots in place
 
 
 def _stream_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -70,6 +78,7 @@ class StreamedMoE:
         self.record_hidden: list | None = None                           # (layer, x, topk) for training
         self._proxies: dict[int, dict] = {}
         self._base, self.base_name = _base_forward(model, layers[0].experts)
+        self.zero_copy = self.base_name in ZERO_COPY_KERNELS   # see the module docstring
         for ml in layers:
             ml.experts._lazytrain_engine = self
             ml.experts._lazytrain_layer = ml.index
@@ -80,10 +89,10 @@ class StreamedMoE:
     def total_experts(self) -> int:
         return sum(ml.num_experts for ml in self.layers)
 
-    def _proxy(self, experts: nn.Module, layer: int, slots: list[int]) -> SimpleNamespace:
-        """Stands in for the experts module: same flags and activation; weights = the routed experts
-        gathered from their slots into contiguous [n_routed, ...] tensors (a strided view of the
-        whole pool would make the kernel copy every slot on each call)."""
+    def _proxy(self, experts: nn.Module, layer: int, slots: list[int]) -> tuple[SimpleNamespace, list[int]]:
+        """Stands in for the experts module: same flags and activation; weights = the cache pool's
+        views of the layer (zero-copy kernels) or the routed experts gathered into contiguous
+        [n_routed, ...] tensors. Returns it and the id each routed expert has in it."""
         flags = self._proxies.get(layer)
         if flags is None:
             # flags a transformers release may not have (5.17 lacks the post-expert norm) get the
@@ -96,9 +105,19 @@ class StreamedMoE:
                          _apply_gate=experts._apply_gate,
                          config=experts.config, training=False)
             self._proxies[layer] = flags
+        views = self.cache.layer_views(layer)
+        if self.zero_copy:
+            return SimpleNamespace(num_experts=self.cache.num_slots, **flags, **views), slots
         idx = torch.tensor(slots, dtype=torch.long, device=self.cache.pool.device)
-        weights = {name: v.index_select(0, idx) for name, v in self.cache.layer_views(layer).items()}
-        return SimpleNamespace(num_experts=len(slots), **flags, **weights)
+        weights = {name: v.index_select(0, idx) for name, v in views.items()}
+        return SimpleNamespace(num_experts=len(slots), **flags, **weights), list(range(len(slots)))
+
+    def _run(self, experts: nn.Module, x: torch.Tensor, l: int, ids: list[int], slots: list[int],
+             top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        proxy, remap = self._proxy(experts, l, slots)
+        lut = torch.zeros(self.layers[l].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
+        lut[ids] = torch.tensor(remap, dtype=top_k_index.dtype, device=lut.device)
+        return self._base(proxy, x, lut[top_k_index], top_k_weights)
 
     @torch.no_grad()
     def forward_layer(self, experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
@@ -114,21 +133,33 @@ class StreamedMoE:
         if self.record_hidden is not None:
             self.record_hidden.append((l, x.detach().float().clone(), top_k_index.clone()))
         try:
-            proxy = self._routed(experts, x, l, ids, top_k_index, step, c)
+            slots = self._routed(experts, x, l, ids, top_k_index, step, c)
+            if self.zero_copy:
+                try:
+                    return self._run(experts, x, l, ids, slots, top_k_index, top_k_weights)
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as e:
+                    # A device whose kernel refuses views strided over the pool's slots (only the
+                    # CPU path is tested here): gather from now on.
+                    if self.cache.pool.device.type == "cpu":
+                        raise
+                    _LOG.warning("%s experts kernel on %s refused the cache pool's strided views (%s); "
+                                 "gathering the routed experts instead", self.base_name,
+                                 self.cache.pool.device, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    self.zero_copy = False
+            return self._run(experts, x, l, ids, slots, top_k_index, top_k_weights)
         finally:
-            # Pins last until the gathered copy is ours, and never past this layer: an error in a
-            # read or a wait (a transient EIO, Ctrl-C in a stall) must not leave slots pinned, or
-            # every later call would find the cache "too small"
+            # The routed slots stay pinned while the kernel is queued on them, and never past this
+            # layer: an error in a read or a wait (a transient EIO, Ctrl-C in a stall) must not leave
+            # slots pinned, or every later call would find the cache "too small". (On CUDA the
+            # kernel may run after this; the next layer's routing sync orders it before any slot
+            # is refilled.)
             self.cache.unpin()
-        # Routed expert ids -> 0..n-1 (ids are sorted, so group order matches the all-resident kernel).
-        lut = torch.zeros(self.layers[l].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
-        lut[ids] = torch.arange(len(ids), dtype=top_k_index.dtype, device=lut.device)
-        return self._base(proxy, x, lut[top_k_index], top_k_weights)
 
     def _routed(self, experts: nn.Module, x: torch.Tensor, l: int, ids: list[int], top_k_index: torch.Tensor,
-                step: int, c) -> SimpleNamespace:
-        """Pin and load layer `l`'s routed experts `ids` (prefetching ahead meanwhile) and gather
-        them into the proxy the kernel runs with."""
+                step: int, c) -> list[int]:
+        """Pin and load layer `l`'s routed experts `ids` (prefetching ahead meanwhile); their slots."""
         waits = self.cache.acquire(l, ids, step, c)
         if self.auto_lookahead and x.shape[0] == 1:
             self._tune_lookahead()
@@ -145,7 +176,7 @@ class StreamedMoE:
         self.cache.wait(waits, c)
         if isinstance(self.cache.policy, Forecast):
             self.cache.policy.observe_layer(l, ids, self.layers[l].num_experts)
-        return self._proxy(experts, l, self.cache.slots(l, ids))
+        return self.cache.slots(l, ids)
 
     def _tune_lookahead(self) -> None:
         """Look as many layers ahead as one layer's reads take layers of compute (SeqMoE: one layer's
