@@ -8,9 +8,10 @@ cache slots, and run the model's original experts kernel (grouped_mm / batched_m
 slot-indexed views of the cache pool. Same kernel, same weights, same routing: the output is the
 all-resident model's output, token for token.
 
-With the grouped_mm and batched_mm kernels the views are the whole pool ([num_slots, ...], strided
-over slots) and expert ids are remapped to slot ids: the kernel reads the routed slots in place and
-no expert weight is copied. Both kernels sum a token's top-k outputs by position, so the order of
+With the grouped_mm and batched_mm kernels the views are the pool's ([slots, ...], strided over the
+span of the routed slots) and expert ids are remapped to slot ids: the kernel reads the routed slots
+in place and no expert weight is copied (grouped_mm, which visits every slot of the span, gathers
+instead when the span is mostly other slots: see _proxy). Both kernels sum a token's top-k outputs by position, so the order of
 the groups (slot order, not expert order) does not change a bit. The eager kernel adds each
 expert's output in the loop's order (expert order), so it gets the routed experts gathered into
 contiguous [n_routed, ...] tensors under ids 0..n-1 (sorted: the same order).
@@ -39,6 +40,7 @@ _LOG = logging.getLogger(__name__)
 
 EXPERTS_IMPL = "lazytrain_stream"
 ZERO_COPY_KERNELS = ("grouped_mm", "batched_mm")   # read the pool's slots in place
+SLOT_OVERHEAD_BYTES = 128 << 10   # grouped_mm's cost of one unrouted slot in its views, as copy bytes
 
 
 def _stream_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -79,6 +81,7 @@ class StreamedMoE:
         self._proxies: dict[int, dict] = {}
         self._base, self.base_name = _base_forward(model, layers[0].experts)
         self.zero_copy = self.base_name in ZERO_COPY_KERNELS   # see the module docstring
+        self.slot_overhead_bytes = SLOT_OVERHEAD_BYTES
         for ml in layers:
             ml.experts._lazytrain_engine = self
             ml.experts._lazytrain_layer = ml.index
@@ -107,7 +110,15 @@ class StreamedMoE:
             self._proxies[layer] = flags
         views = self.cache.layer_views(layer)
         if self.zero_copy:
-            return SimpleNamespace(num_experts=self.cache.num_slots, **flags, **views), slots
+            lo, hi = min(slots), max(slots)
+            span = hi - lo + 1
+            # grouped_mm visits every expert of the tensor it is given, routed or not: on the CPU an
+            # empty group costs 5-10 us (measured), as long as a ~100 KB copy. The views cover the
+            # routed slots' span only, and a span mostly of other slots (few routed, far apart: a
+            # decode step in a big cache) is cheaper gathered.
+            if self.base_name != "grouped_mm" or span * self.slot_overhead_bytes <= len(slots) * self.cache.slot_bytes:
+                return SimpleNamespace(num_experts=span, **flags, **{k: v[lo:hi + 1] for k, v in views.items()}), \
+                    [s - lo for s in slots]
         idx = torch.tensor(slots, dtype=torch.long, device=self.cache.pool.device)
         weights = {name: v.index_select(0, idx) for name, v in views.items()}
         return SimpleNamespace(num_experts=len(slots), **flags, **weights), list(range(len(slots)))

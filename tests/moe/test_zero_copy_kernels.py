@@ -11,8 +11,9 @@ import torch
 from lazytrain.moe import convert_model, load_streamed
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
-def test_each_kernel_exact_and_in_place(impl, tiny_moe, tmp_path):
+@pytest.mark.parametrize("impl,in_place", [("grouped_mm", True), ("grouped_mm", False), ("batched_mm", True),
+                                           ("eager", False)])
+def test_each_kernel_exact_and_in_place(impl, in_place, tiny_moe, tmp_path):
     model = tiny_moe("qwen3_moe", num_experts_per_tok=4)
     convert_model(model, tmp_path / "store")
     model.save_pretrained(tmp_path / "hf")
@@ -37,6 +38,9 @@ def test_each_kernel_exact_and_in_place(impl, tiny_moe, tmp_path):
             return base(proxy, *args)
 
         eng._base = spy
+        # grouped_mm gathers when the routed slots' span is mostly other slots; these experts are
+        # tiny (74 KB), so which way it goes is set here
+        eng.slot_overhead_bytes = 0 if in_place else 1 << 40
         with torch.no_grad():
             got = eng.model(ids).logits
         assert torch.equal(got, want)
@@ -45,7 +49,29 @@ def test_each_kernel_exact_and_in_place(impl, tiny_moe, tmp_path):
         assert seen
         for proxy in seen:
             in_pool = proxy.down_proj.untyped_storage().data_ptr() == pool
-            assert in_pool == (impl != "eager")
-            assert proxy.num_experts == (eng.cache.num_slots if impl != "eager" else proxy.down_proj.shape[0])
+            assert in_pool == in_place
+            assert proxy.num_experts == proxy.down_proj.shape[0]
+    finally:
+        eng.close()
+
+
+def test_grouped_mm_gathers_a_span_of_mostly_other_slots(mixtral_store):
+    """grouped_mm visits every slot of the views it gets: two routed experts far apart in a big
+    cache are gathered, adjacent ones (or a span they mostly fill) are read in place."""
+    _, d = mixtral_store
+    eng = load_streamed(d / "store", cache_fraction=1.0)
+    try:
+        assert eng.base_name == "grouped_mm"
+        experts = eng.layers[0].experts
+        pool = eng.cache.pool.untyped_storage().data_ptr()
+        n = eng.cache.num_slots
+        eng.slot_overhead_bytes = eng.cache.slot_bytes // 4      # one routed slot pays for 4 others
+        for slots, in_place in (([3, 4], True), ([0, 9], False), ([0, 7], True), ([0, n - 1], False)):
+            proxy, ids = eng._proxy(experts, 0, slots)
+            assert (proxy.down_proj.untyped_storage().data_ptr() == pool) == in_place, slots
+            assert proxy.num_experts == proxy.down_proj.shape[0]
+            # the remapped ids address the same weights
+            for s, i in zip(slots, ids):
+                assert torch.equal(proxy.down_proj[i], eng.cache.layer_views(0)["down_proj"][s])
     finally:
         eng.close()
