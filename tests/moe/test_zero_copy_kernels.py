@@ -70,8 +70,9 @@ def test_grouped_mm_gathers_a_span_of_mostly_other_slots(mixtral_store):
             proxy, ids = eng._proxy(experts, 0, slots)
             assert (proxy.down_proj.untyped_storage().data_ptr() == pool) == in_place, slots
             assert proxy.num_experts == proxy.down_proj.shape[0]
-            # the remapped ids address the same weights
+            # the remapped ids address the same bytes (slots never filled hold garbage, NaNs too)
             for s, i in zip(slots, ids):
-                assert torch.equal(proxy.down_proj[i], eng.cache.layer_views(0)["down_proj"][s])
+                assert torch.equal(proxy.down_proj[i].view(torch.int32),
+                                   eng.cache.layer_views(0)["down_proj"][s].view(torch.int32))
     finally:
         eng.close()
