@@ -7,6 +7,7 @@ number. Times are analytic (FLOPs / achieved FLOP/s); `lazytrain profile` fits t
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -129,10 +130,15 @@ def check_lora_targets(model: ModelSpec, targets: tuple[str, ...]) -> None:
     if not targets or len(missing) == len(targets):
         raise ValueError(f"job.lora_targets {missing or list(targets)} match no linear layer of {model.name}; "
                          f"its linear layers: {', '.join(names)}")
-    if missing:
+    if missing and _LORA_WARNED.get((id(model), tuple(missing))) is not model:
+        # once per model spec: planning calls job_costs many times (plan compare: once per method)
+        _LORA_WARNED[(id(model), tuple(missing))] = model
         logging.getLogger(__name__).warning(
             "job.lora_targets %s match no linear layer the cost model counts for %s (%s): the plan "
             "counts no adapters for them", missing, model.name, ", ".join(names))
+
+
+_LORA_WARNED: "weakref.WeakValueDictionary[tuple, ModelSpec]" = weakref.WeakValueDictionary()
 
 
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:

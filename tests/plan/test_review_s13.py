@@ -271,3 +271,18 @@ def test_a_kept_free_resolve_reports_its_own_status_and_gap(monkeypatch):
     stopped = solve_milp(costs, h, **kw)
     assert stopped.objective_s < ordered.objective_s   # kept: the faster plan
     assert stopped.status == "feasible" and stopped.gap is not None and stopped.gap > 0
+
+
+def test_unmatched_lora_target_warned_once_per_plan(caplog):
+    """plan compare scores every method with job_costs: a target the cost model does not count was
+    logged once per call (5 times for one command)."""
+    model, h, job, _ = _specs([])
+    job = replace(job, mode="lora", lora_targets=("q_proj", "foo"))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            job_costs(model, h, job)
+    assert caplog.text.count("['foo'] match no linear layer the cost model counts") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):   # another spec (another command) is told again
+        job_costs(_specs([])[0], h, job)
+    assert caplog.text.count("['foo'] match no linear layer") == 1
