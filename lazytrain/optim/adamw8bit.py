@@ -145,6 +145,8 @@ class AdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"AdamW8bit: max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if not (isinstance(block_size, int) and block_size >= 16):
             raise ValueError(f"AdamW8bit: block_size must be an int >= 16, got {block_size!r}")
+        if not (isinstance(min_8bit_numel, int) and not isinstance(min_8bit_numel, bool) and min_8bit_numel >= 0):
+            raise ValueError(f"AdamW8bit: min_8bit_numel must be an int >= 0, got {min_8bit_numel!r}")
         if backend not in ("auto", "cpp", "torch", "compile"):
             raise ValueError(
                 f"AdamW8bit: backend must be 'auto', 'cpp', 'torch' or 'compile', got {backend!r}"
@@ -261,9 +263,13 @@ class AdamW8bit(torch.optim.Optimizer):
         return groups[entry[0]]
 
     def _init_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
+        state = self.state.get(p)
         if state:
+            self._check_state(p, state)
             return state
+        # Built aside and stored whole: an error half-way (a parameter with gaps) left {'step': 0},
+        # and every later step of the parameter, made valid, raised KeyError: 'exp_avg'.
+        state = {}
         numel = p.numel()
         state["step"] = 0
         order = _memory_order(p)
@@ -280,7 +286,32 @@ class AdamW8bit(torch.optim.Optimizer):
         else:
             state["exp_avg"] = torch.zeros(numel, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(numel, dtype=torch.float32, device=p.device)
+        self.state[p] = state
         return state
+
+    def _check_state(self, p: torch.Tensor, s: dict) -> None:
+        """The state still fits the parameter: the kernels take its tensors as they are, so a
+        parameter resized or recast since its state was made (its .data replaced) was written out
+        of bounds (heap corruption), or half-updated, or stepped without its fp32 master."""
+        numel = p.numel()
+        if "qm" in s:
+            nblocks = (numel + self.block_size - 1) // self.block_size
+            sizes = dict(qm=numel, qv=numel, absmax_m=nblocks, absmax_v=nblocks)
+        else:
+            sizes = dict(exp_avg=numel, exp_avg_sq=numel)
+        if "master" in s:
+            sizes["master"] = numel
+        bad = [f"{k!r} has {s[k].numel() if torch.is_tensor(s.get(k)) else 'no'} elements (needs {n})"
+               for k, n in sizes.items() if not (torch.is_tensor(s.get(k)) and s[k].numel() == n)]
+        if p.dtype not in _SUPPORTED_PARAM_DTYPES or (p.dtype == torch.float32) == ("master" in s):
+            made = "bfloat16" if "master" in s else "float32"
+            bad.append(f"it was made for a {made} parameter")
+        if bad:
+            raise ValueError(
+                f"AdamW8bit: a parameter of shape {tuple(p.shape)} ({p.dtype}) no longer fits its optimizer "
+                f"state: {'; '.join(bad)} (was its .data replaced?). Restore the parameter, or start its "
+                "state afresh with `del optimizer.state[param]`"
+            )
 
     @staticmethod
     def _hyper(group: dict, step: int, memo: dict | None = None) -> list[float]:
@@ -435,6 +466,8 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pairs = _once([(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None])
+        if any(p.grad.is_sparse for p, _ in pairs):   # (before the norm pass, which cannot take them)
+            raise RuntimeError("AdamW8bit does not support sparse gradients; consider torch.optim.SparseAdam")
         scale: float | None = 1.0
         if self.max_grad_norm is not None:
             scale = self.clip_scale(self.grad_sq_sum(p for p, _ in pairs))
@@ -539,7 +572,6 @@ class AdamW8bit(torch.optim.Optimizer):
         take its tensors as they are, so a wrong dtype or size would fail or corrupt there."""
         if not s:
             return  # never stepped; _init_state fills it
-        self._check_layout(p, s, f"AdamW8bit.load_state_dict: {name}")
         numel, f32, u8 = p.numel(), torch.float32, torch.uint8
         nblocks = (numel + self.block_size - 1) // self.block_size
         if "qm" in s:
@@ -564,3 +596,5 @@ class AdamW8bit(torch.optim.Optimizer):
                     f"AdamW8bit.load_state_dict: {name}: state {k!r} is {got}, expected {dtype} "
                     f"with {size} elements"
                 )
+        # (after the sizes: a state of another size is that, whatever its memory order)
+        self._check_layout(p, s, f"AdamW8bit.load_state_dict: {name}")

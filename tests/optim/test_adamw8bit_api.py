@@ -365,3 +365,75 @@ def test_review_fixes_duplicates_in_the_norm_bad_betas_and_another_layout():
         other.load_state_dict(opt.state_dict())
     same = AdamW8bit(copy.deepcopy(conv).parameters(), lr=1e-2, min_8bit_numel=64)
     same.load_state_dict(opt.state_dict())   # the same layout loads
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("dtype,before,after", [(torch.float32, 1000, 3000),       # fp32 moments, grown
+                                                (torch.bfloat16, 1000, 500),       # + master, shrunk
+                                                (torch.float32, 5000, 10000),      # 8-bit states
+                                                (torch.bfloat16, 5000, 2500)])
+def test_a_parameter_resized_since_its_state_was_made_is_refused(backend, dtype, before, after):
+    """The kernels take the state's tensors as they are: a parameter whose .data was replaced by
+    one of another size was written out of bounds (heap corruption, a segfault) or half-updated."""
+    p = torch.nn.Parameter(torch.randn(before).to(dtype))
+    opt = AdamW8bit([p], backend=backend)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.data = torch.randn(after).to(dtype)
+    p.grad = torch.randn_like(p)
+    kept = p.detach().clone()
+    with pytest.raises(ValueError, match=r"no longer fits its optimizer state.*needs " + str(after)):
+        opt.step()
+    assert opt.state[p]["step"] == 1 and torch.equal(p.detach(), kept)
+    del opt.state[p]          # what the message offers: the state afresh
+    opt.step()
+    assert opt.state[p]["step"] == 1 and not torch.equal(p.detach(), kept)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_parameter_recast_since_its_state_was_made_is_refused(backend):
+    """model.to(bfloat16) after a step: the C++ path raised a low-level dtype error after the step
+    count moved; the torch path updated the bf16 parameter with no fp32 master."""
+    p = torch.nn.Parameter(torch.randn(1, 5000))
+    opt = AdamW8bit([p], backend=backend)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.data = p.data.bfloat16()
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="made for a float32 parameter"):
+        opt.step()
+    assert opt.state[p]["step"] == 1
+
+
+def test_a_refused_new_parameter_leaves_no_half_state():
+    """A bf16 parameter with gaps is refused at its first step; once made contiguous it steps
+    (a half-built {'step': 0} made every later step raise KeyError: 'exp_avg')."""
+    p = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16)[:, :64])
+    opt = AdamW8bit([p])
+    p.grad = torch.randn(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not dense"):
+        opt.step()
+    assert not opt.state.get(p)
+    p.data = p.data.contiguous()
+    opt.step()
+    assert opt.state[p]["step"] == 1
+    AdamW8bit([p]).load_state_dict(opt.state_dict())
+
+
+def test_bad_min_8bit_numel_and_sparse_gradients_with_clipping_are_refused_clearly():
+    with pytest.raises(ValueError, match="min_8bit_numel must be an int >= 0, got None"):
+        AdamW8bit([torch.nn.Parameter(torch.randn(4))], min_8bit_numel=None)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        AdamW8bit(emb.parameters(), max_grad_norm=1.0).step()   # (the norm pass failed first)
+
+
+def test_loading_a_state_of_another_size_says_so_whatever_its_layout():
+    src = torch.nn.Parameter(torch.randn(64, 32).t())       # transposed: memory order (1, 0)
+    opt = AdamW8bit([src])
+    src.grad = torch.randn_like(src)
+    opt.step()
+    dst = torch.nn.Parameter(torch.randn(16, 16))
+    with pytest.raises(ValueError, match="with 256 elements"):
+        AdamW8bit([dst]).load_state_dict(opt.state_dict())

@@ -477,8 +477,9 @@ void adam8bit_step(const std::vector<at::Tensor>& weights, const std::vector<at:
   std::vector<int64_t> first_block(nt + 1, 0);
   for (size_t i = 0; i < nt; ++i) {
     const int64_t n = weights[i].numel();
-    TORCH_CHECK(grads[i].numel() == n && qms[i].numel() == n && qvs[i].numel() == n,
-                "tensor ", i, ": grad/state sizes differ from the weight");
+    TORCH_CHECK(grads[i].numel() == n && qms[i].numel() == n && qvs[i].numel() == n &&
+                    (params_bf16[i].numel() == 0 || params_bf16[i].numel() == n),
+                "tensor ", i, ": grad/state/param sizes differ from the weight");
     TORCH_CHECK(ams[i].numel() == (n + block_size - 1) / block_size, "tensor ", i, ": absmax size");
     first_block[i + 1] = first_block[i] + ams[i].numel();
   }
@@ -550,6 +551,17 @@ void adam8bit_step(const std::vector<at::Tensor>& weights, const std::vector<at:
 void adam32_step(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& params_bf16,
                  const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& ms,
                  const std::vector<at::Tensor>& vs, const at::Tensor& hyper, double clip) {
+  const size_t nt = weights.size();
+  TORCH_CHECK(hyper.dim() == 2 && hyper.size(1) == kHyper && static_cast<size_t>(hyper.size(0)) == nt,
+              "hyper must be float32 [num_tensors, 8]");
+  TORCH_CHECK(params_bf16.size() == nt && grads.size() == nt && ms.size() == nt && vs.size() == nt,
+              "adam32_step: list lengths differ");
+  for (size_t i = 0; i < nt; ++i) {
+    const int64_t n = weights[i].numel();
+    TORCH_CHECK(grads[i].numel() == n && ms[i].numel() == n && vs[i].numel() == n &&
+                    (params_bf16[i].numel() == 0 || params_bf16[i].numel() == n),
+                "tensor ", i, ": grad/state/param sizes differ from the weight");
+  }
   const float* hp = hyper.data_ptr<float>();
   const float fclip = static_cast<float>(clip);
   at::parallel_for(0, static_cast<int64_t>(weights.size()), 1, [&](int64_t begin, int64_t end) {
