@@ -32,7 +32,7 @@ def main_thread_stall():
     import threading
     import time
 
-    def probe(fn, tries: int = 3):
+    def probe(fn, tries: int = 5):
         """The try with the smallest stall relative to its length (a GIL-holding call stalls in
         every try; scheduling hiccups on a busy machine come and go)."""
         return min((_once(fn) for _ in range(tries)), key=lambda r: r[0] / r[1])

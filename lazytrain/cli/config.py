@@ -40,20 +40,64 @@ def _check_group_choices(overrides: list[str]) -> None:
                 raise ConfigError(f"unknown {key} {value!r}; valid: {', '.join(names)}")
 
 
+def declared_bools(root: Path | None = None) -> frozenset[str]:
+    """Dotted keys that are true/false in some config file (top-level files at the root, a
+    group's files under the group's name, or the root for `# @package _global_` ones)."""
+    import yaml
+
+    root = root or config_dir()
+    keys: set[str] = set()
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, bool):
+            keys.add(prefix[:-1])
+
+    for f in sorted(root.glob("*.yaml")) + sorted(root.glob("*/*.yaml")):
+        try:
+            text = f.read_text(encoding="utf-8")
+            node = yaml.safe_load(text)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue   # (composing reports a broken file, with its name)
+        glob_pkg = "@package _global_" in text.split("\n", 1)[0]
+        walk(node, "" if f.parent == root or glob_pkg else f"{f.parent.name}.")
+    return frozenset(keys)
+
+
+def check_bool_settings(cfg: DictConfig) -> None:
+    """ConfigError for a true/false setting given anything else: Hydra reads `=no` or `='false'` as
+    a string, which Python takes as true (`hardware.nvme_full_duplex=no` planned full duplex)."""
+    for key in sorted(declared_bools()):
+        v = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"{key} must be true or false, got {v!r}")
+
+
 def load_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """Compose the config the way `@hydra.main` would, for commands that are not Hydra apps."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
     _check_group_choices(overrides)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            return compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except yaml.YAMLError as e:   # a hand-edited config file (measured.yaml, say) that does not parse
+        where = getattr(e, "problem_mark", None)
+        at = f"{where.name}, line {where.line + 1}" if where is not None else "a config file"
+        raise ConfigError(f"{at} is not valid YAML ({getattr(e, 'problem', None) or e}); fix or remove it"
+                          + ("; `lazytrain profile` writes configs/hardware/measured.yaml afresh"
+                             if "measured.yaml" in at else "")) from None
     except HydraException as e:
         lines = str(e).splitlines()
         # keep Hydra's hint for a key the config does not declare ("To append to your config use +k=v")
         hint = [x for x in lines[1:2] if x.startswith("To append")]
         raise ConfigError(" ".join(lines[:1] + hint)) from None
+    check_bool_settings(cfg)
+    return cfg
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:

@@ -200,20 +200,24 @@ def cmd_compare(args: list[str]) -> int:
     return 0 if any(r[-1] == "yes" for r in rows) else 2
 
 
+MAX_BATCH_CAP = 4096   # plan max-batch searches up to this micro-batch
+
+
 def cmd_max_batch(args: list[str]) -> int:
     from ..plan import HEURISTICS, best_split, max_batch, plan_job
     model, hw, job, opts, use_cache, cache_dir = _inputs(args)
     rows = []
     best = {}
     for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
-        b = max_batch(model, hw, job, opts, method)
+        b = max_batch(model, hw, job, opts, method, limit=MAX_BATCH_CAP)
         best[method] = b
         tps = "-"
         if b:
             p = plan_job(model, hw, replace(job, batch_size=b), opts, cache_dir=cache_dir,
                          use_cache=use_cache, method=method)
             tps = f"{p.predicted.tokens_per_s:,.0f}" if p.fits else "-"
-        rows.append((method, str(b), tps))
+        # the search stops at its cap: a batch there is a lower bound, not the largest
+        rows.append((method, f">= {b} (search cap)" if b >= MAX_BATCH_CAP else str(b), tps))
     _table(f"largest micro-batch: {model.name} on {hw.name}, {job.mode}, seq {job.seq_len}, "
            f"device {hw.device_memory_gib:g} GiB", ("method", "max batch", "tokens/s at max"), rows)
     global_batch = job.batch_size * job.grad_accum

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_layers and not with_layers:
         print(f"  no model= given: per-layer timing skipped, efficiency {base.efficiency} kept from "
               f"hardware={base.name} (model=NAME or model.path=DIR measures it for that model)", flush=True)
+    busy = _busy_cores()
+    if busy:
+        print(f"  warning: {busy}; the timings will be low (profile on an idle machine)", flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as d:
         spec, details = profile_machine(base, mspec, job, device, args.nvme_dir or d, args.size_mib * MiB,
                                         args.repeats, with_layers=with_layers,
@@ -79,5 +82,28 @@ def main(argv: list[str] | None = None) -> int:
     default = (config_dir() / "hardware" / "measured.yaml").resolve()
     use = ("hardware=measured" if Path(out).resolve() == default else
            f"hardware=NAME once it is copied to {config_dir() / 'hardware'}/NAME.yaml")
-    print(f"wrote {out} (efficiency {spec.efficiency:.2f}); plan with {use}")
+    print(f"wrote {out} (efficiency {spec.efficiency:.3g}); plan with {use}")
+    if with_layers and spec.efficiency < LOW_EFFICIENCY:
+        print(f"  warning: efficiency {spec.efficiency:.3g}: {mspec.name}'s blocks reach under "
+              f"{LOW_EFFICIENCY:.0%} of the matmul peak (a small model's are mostly overhead); a plan for a "
+              "larger model with this profile will predict it far too slow: profile with the model you "
+              "will train", flush=True)
     return 0
+
+
+LOW_EFFICIENCY = 0.05
+
+
+def _busy_cores() -> str | None:
+    """What else is running, when the 1-minute load average says others hold over a quarter of
+    the cores this process may use (the profile times this machine as if it were its own)."""
+    import os
+
+    try:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return None
+    if load > 0.25 * cores + 0.5:
+        return f"the 1-minute load average is {load:.1f} on {cores} core(s): other processes are running"
+    return None

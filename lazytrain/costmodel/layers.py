@@ -219,7 +219,10 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             trainable_params=trainable, grad_device_bytes=(trainable + borrowed_grad) * cb,
             grad_store_bytes=trainable * min(4, job.master_bytes), optimizer_bytes=int(trainable * opt_per_param),
             fwd_s=spec.flops_fwd(tokens, job.seq_len) / flops,
-            bwd_s=spec.flops_bwd(tokens, job.seq_len, weight_grads=full) / flops,
+            # (the chunked loss's backward recomputes every chunk's logits: the head's forward again)
+            bwd_s=(spec.flops_bwd(tokens, job.seq_len, weight_grads=full)
+                   + (spec.flops_fwd(tokens, job.seq_len) if spec.kind == "head" and job.loss_chunk_tokens else 0))
+            / flops,
             act_bytes=act, boundary_in_bytes=bnd if spec.kind != "embed" else 0,
             bwd_transient_bytes=bwd_tr, bwd_tail_bytes=tail if spec.kind == "head" else 0,
             optimizer_s=trainable * opt_traffic_per_param / hw.host_memory_bytes_per_s,

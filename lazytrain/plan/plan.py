@@ -105,7 +105,8 @@ class Predicted:
     peak_bytes: Mapping[str, int]       # {"device", "host", "nvme"}
     compute_s: float = 0.0               # forward + backward compute, no recompute
     recompute_s: float = 0.0
-    exposed_transfer_s: float = 0.0      # step time beyond compute + recompute
+    exposed_transfer_s: float = 0.0      # step time beyond compute + recompute (+ the serial optimizer)
+    serial_optimizer_s: float = 0.0      # host optimizer not overlapped with compute (a CPU device)
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     predicted = Predicted(
         step_time_s=tl.step_time_s, tokens_per_s=job.tokens_per_step / tl.step_time_s,
         peak_bytes=dict(tl.peak_bytes), compute_s=tl.compute_s, recompute_s=tl.recompute_s,
-        exposed_transfer_s=tl.exposed_transfer_s)
+        exposed_transfer_s=tl.exposed_transfer_s, serial_optimizer_s=tl.serial_optimizer_s)
     plan = Plan(
         schema_version=SCHEMA_VERSION, input_hash=h, status=r.status, method=method,
         solver=SolverInfo(name=r.solver_name, wall_s=round(r.wall_s, 4), gap=r.gap, status_detail=r.detail),
@@ -266,14 +266,19 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
         ot = Counter(d.optimizer_tier for d in plan.layers)
         lines.append(f"optimizer state ({optimizer_state_label(plan.job)}): "
                      + ", ".join(f"{n} on {t}" for t, n in sorted(ot.items())))
-        lines.append("updates wait for the clipping norm: they run after the backward, overlapping the next "
-                     "forward (job.clip_grad)" if costs.clip_grad else
-                     "updates follow each layer's backward (no clipping: job.clip_grad=false)")
+        serial = tl.serial_optimizer_s > 0   # hardware.optimizer_overlaps_compute false (a CPU device)
+        lines.append(("updates wait for the clipping norm: they run after the backward, "
+                      + ("on the cores that compute (not overlapped)" if serial else "overlapping the next forward")
+                      + " (job.clip_grad)") if costs.clip_grad else
+                     "updates follow each layer's backward (no clipping: job.clip_grad=false)"
+                     + ("; they take the cores that compute (not overlapped)" if serial else ""))
     # what bounds the step: sum of time per resource over the step
     busy: Counter = Counter()
     for ev in tl.events:
         busy[ev.resource] += ev.end_s - ev.start_s
-    top = ", ".join(f"{r} {s:.3f} s" for r, s in busy.most_common(4))
+    top = ", ".join(f"{r} {s:.3f} s" + (f" (optimizer {tl.serial_optimizer_s:.3f} s of it)"
+                                        if r == "compute" and tl.serial_optimizer_s > 0 else "")
+                    for r, s in busy.most_common(4))
     lines.append(f"busy time per resource: {top}; step {tl.step_time_s:.3f} s, of which "
                  f"{tl.exposed_transfer_s:.3f} s not hidden behind compute")
     if plan.hardware.copies_share_compute:

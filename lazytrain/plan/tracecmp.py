@@ -125,6 +125,9 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
     with_what = any("what" in e for e in events)   # older traces: compare per kind only
     metrics = d / "metrics.jsonl"
     logged = [r for r in _read_jsonl(metrics, notes) if "step_time_s" in r] if metrics.is_file() else []
+    if not metrics.is_file():
+        notes.append("no metrics.jsonl: which steps completed is unknown (a step cut short would count "
+                     "in the medians), and there is no measured step time")
     by_step = {r["step"]: r for r in logged if isinstance(r.get("step"), int)}
     done = None
     if by_step and len(by_step) == len(logged):

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
-from ..cli.config import ConfigError, hardware_spec, model_spec, planner_options
+from ..cli.config import ConfigError, check_bool_settings, hardware_spec, model_spec, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
@@ -183,6 +183,7 @@ def plan_nvme_bytes(plan: Plan) -> int:
 
 def preflight(cfg: DictConfig) -> Preflight:
     """Every check that needs no model weights and writes nothing (except the solver cache)."""
+    check_bool_settings(cfg)   # (again: a sweep's jobs come here from Hydra, not load_config)
     if cfg.engine not in ENGINES:
         raise ConfigError(f"unknown engine {cfg.engine!r}; valid: {', '.join(ENGINES)}")
     mspec = model_spec(cfg)

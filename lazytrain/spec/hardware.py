@@ -8,6 +8,7 @@ override them (`hardware.device_memory_gib=20`, `hardware.h2d_gbps=12`). `*_byte
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
@@ -50,7 +51,14 @@ class HardwareSpec:
             if f.type == "float" and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
                 raise ValueError(f"hardware.{f.name} must be a plain number (its unit is in its name), "
                                  f"got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):   # ('no' is a true string)
+                raise ValueError(f"hardware.{f.name} must be true or false, got {v!r}")
             if isinstance(v, float | int) and not isinstance(v, bool):
+                if not math.isfinite(v):   # (inf GiB overflowed int() in the byte conversions)
+                    raise ValueError(f"hardware.{f.name} must be a finite number, got {v}")
+                if f.name == "efficiency" and v > 1:
+                    raise ValueError(f"hardware.efficiency is the achieved fraction of device_tflops, "
+                                     f"at most 1, got {v}")
                 if f.name in RATES and not v > 0:   # (the planner divides by them)
                     raise ValueError(f"hardware.{f.name} must be > 0, got {v}")
                 if v < 0:

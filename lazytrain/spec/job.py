@@ -35,6 +35,8 @@ class JobSpec:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool):   # "abc" failed a comparison, 1.5 planned
                 raise ValueError(f"job.{k} must be an integer, got {v!r}")
+        if not isinstance(self.clip_grad, bool):   # ('no' is a true string)
+            raise ValueError(f"job.clip_grad must be true or false, got {self.clip_grad!r}")
         if self.mode not in ("full", "lora"):
             raise ValueError(f"job.mode must be 'full' or 'lora', got {self.mode!r}")
         if self.optimizer_state_bits not in (8, 32):

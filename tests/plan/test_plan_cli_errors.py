@@ -173,7 +173,7 @@ def test_off_device_infeasibility_names_what_is_short(small):
     ("planner.prefetch_depth=0", "prefetch_depth=0"),
     ("planner.mip_gap=-1", "mip_gap=-1"),
     ("planner.time_limit_s=-1", "time_limit_s=-1"),
-    ("planner.allow_nvme=maybe", "allow_nvme='maybe'"),
+    ("planner.allow_nvme=maybe", "planner.allow_nvme must be true or false, got 'maybe'"),
 ])
 def test_bad_planner_settings_are_one_line_exit_2(setting, says, tmp_path, capsys):
     rc = cli_main(["plan", "model=tiny-llama", f"planner.cache_dir={tmp_path}", setting])
