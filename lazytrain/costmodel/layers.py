@@ -141,6 +141,20 @@ def check_lora_targets(model: ModelSpec, targets: tuple[str, ...]) -> None:
 _LORA_WARNED: "weakref.WeakValueDictionary[tuple, ModelSpec]" = weakref.WeakValueDictionary()
 
 
+def sliding_window_active(model: ModelSpec, job: JobSpec) -> bool:
+    """The sequence is longer than the model's attention window: transformers then builds an
+    explicit mask for SDPA instead of its causal flag (up to the window, causal is the same)."""
+    return model.sliding_window is not None and job.seq_len > model.sliding_window
+
+
+def sliding_mask_bytes(model: ModelSpec, job: JobSpec) -> int:
+    """The model's boolean [batch, 1, seq, seq] mask, made once in the forward and handed to every
+    layer (the step context holds it until the last backward)."""
+    if not sliding_window_active(model, job):
+        return 0
+    return job.batch_size * job.seq_len * job.seq_len
+
+
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     tokens = job.tokens_per_micro_batch
     cb = job.compute_bytes
@@ -166,6 +180,13 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         # fp32 log-softmax)
         fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
         act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
+        if spec.kind == "block" and sliding_window_active(model, job):
+            # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
+            # saves that, in every layer (measured on the CPU device: [batch, 1, seq, seq] per
+            # block, its own each), and transformers repeats k and v to every query head first (no
+            # enable_gqa with a mask), which are what SDPA saves: (heads - kv heads) x head_dim more
+            act += job.batch_size * job.seq_len * job.seq_len * cb
+            act += tokens * 2 * (model.num_heads - model.num_kv_heads) * model.head_dim * cb
         if spec.kind == "block" and not full and cb == 2:
             # Only where LoRA saves more than full fine-tuning's count (Llama-shaped blocks: 10.9%
             # more at hidden 256): applied where it saves less (MoE blocks, frozen experts: 12-16%
@@ -234,7 +255,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     # Gradients are not static: a layer's weight grads are on the device from its backward until
     # they have left (the executor keeps at most two layers' in flight; one on a CPU device, where
     # they leave inline); plan/ops.grads_in_flight.
-    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd
+    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + sliding_mask_bytes(model, job)
     return JobCosts(
         layers=tuple(out), num_blocks=model.num_layers, grad_accum=job.grad_accum,
         tokens_per_micro_batch=tokens, device_static_bytes=device_static,

@@ -80,6 +80,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
     "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+    # sliding-window attention (window 16): sequences longer than it run with an explicit mask
+    "mistral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, sliding_window=16),
     "mixtral": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
                     num_local_experts=4, num_experts_per_tok=2),

@@ -77,6 +77,9 @@ class ModelSpec:
     tie_word_embeddings: bool
     layers: tuple[LayerSpec, ...]
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # sliding-window attention in some layer: past this many tokens the model builds a [batch, 1,
+    # seq, seq] mask (and repeats k/v to every head for SDPA), which the cost model counts
+    sliding_window: int | None = None
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -239,7 +242,26 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
         intermediate_size=inter,
         max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
         tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
+        sliding_window=_sliding_window(cfg, family, L),
     )
+
+
+def _sliding_window(cfg: dict, family: str, num_layers: int) -> int | None:
+    """The attention window when at least one layer uses sliding-window attention, as transformers
+    reads the config (its defaults: Mistral's window is 4096 when config.json names none; Qwen's
+    layers slide only with use_sliding_window, from max_window_layers on), else None."""
+    w = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+    if not w:
+        return None
+    types = cfg.get("layer_types")
+    if types is None and family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not cfg.get("use_sliding_window", False):
+            return None
+        types = ["sliding_attention" if i >= int(cfg.get("max_window_layers", num_layers)) else "full_attention"
+                 for i in range(num_layers)]
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(w)
 
 
 def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:
