@@ -547,6 +547,7 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         echo=print) -> dict[str, Any]:
     """Train as configured; returns the run summary (also written to output_dir/summary.json)."""
     at: dict[str, Any] = {}   # how far the run got, for the message if it is interrupted
+    restore = _note_sigint(at)
     try:
         return _run(cfg, output_dir, pre, echo, at)
     except KeyboardInterrupt:
@@ -554,8 +555,29 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
         # (the ones before stay whole), metrics and trace rows are flushed as they are written.
         raise TrainingInterrupted(interrupted_message(Path(output_dir).expanduser(), at)) from None
     finally:
+        restore()
         if (fd := at.pop("lock_fd", None)) is not None:
             os.close(fd)   # (releases the output_dir's lock)
+
+
+def _note_sigint(at: dict[str, Any]):
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also noted in `at`: one that lands in a
+    weakref callback or a finalizer (the memory accountant's, which run often) is printed as
+    "Exception ignored" and dropped by Python, and the run trained on to the end. The training
+    loop checks the note after each step. Returns what puts the previous handler back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None   # (not ours to replace: a thread, or a handler someone installed)
+
+    def on_sigint(signum, frame):
+        at["sigint"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 RUN_LOCK = ".lazytrain-run.lock"
@@ -581,6 +603,8 @@ def interrupted_message(out: Path, at: dict[str, Any]) -> str:
         where = f"after the last step ({at['step']}), while saving the final model"
     elif at.get("saving") == "checkpoint":
         where = f"after step {at['step']}, while saving its checkpoint"
+    elif at.get("between_steps"):
+        where = f"after step {at['step']} of {at['max_steps']}"
     else:
         where = f"at step {at['step'] + 1} of {at['max_steps']}"
     last = ckpt.latest_checkpoint(out / "checkpoints")
@@ -723,14 +747,17 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                 trace_f.write(json.dumps({"op": "compute", "name": "step", "step": step,
                                           "start_s": t0, "end_s": t0 + st.step_time_s,
                                           "bytes": 0, "tier": "device"}) + "\n")
-            bar.update(1)
-            if step % log_every == 0 or step == max_steps:
+            if step % log_every == 0 or step == max_steps:   # (before the redraw: this step's figures)
                 bar.set_postfix_str(f"loss {st.loss:.3f}  {tps:,.0f} tok/s  "
                                     f"mem {_fmt_bytes(st.device_peak_bytes)}", refresh=False)
+            bar.update(1)
             if (save_every and step % save_every == 0) or step in (max_steps, stop_at):
                 at["saving"] = "checkpoint"
                 save(step)
                 del at["saving"]
+            if at.get("sigint"):   # a Ctrl-C that Python dropped (see _note_sigint)
+                at["between_steps"] = True
+                raise KeyboardInterrupt
     except BaseException:
         engine.close()
         raise
