@@ -190,8 +190,11 @@ class DeepSpeedTrainer:
         for g in self.engine.optimizer.param_groups:
             g["lr"] = lr
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DeepSpeedStepResult:
-        """One optimizer step over `gradient_accumulation_steps` micro-batches of (input_ids, labels)."""
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   weights: Sequence[float] | None = None) -> DeepSpeedStepResult:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches of (input_ids, labels);
+        `weights`: each micro-batch's in the step's mean loss (default 1; see
+        lazytrain.runtime.StreamingExecutor.train_step)."""
         gas = self.engine.gradient_accumulation_steps()
         if len(micro_batches) != gas:
             raise ValueError(f"got {len(micro_batches)} micro-batches; the DeepSpeed config accumulates "
@@ -202,11 +205,12 @@ class DeepSpeedTrainer:
         self.engine.train()
         dev = self.engine.device
         total, tokens = 0.0, 0
-        for x, y in micro_batches:
+        for k, (x, y) in enumerate(micro_batches):
             out = self.engine(input_ids=x.to(dev), labels=y.to(dev))
-            self.engine.backward(out.loss)       # DeepSpeed scales by 1/gas itself
+            w = 1.0 if weights is None else float(weights[k])
+            self.engine.backward(out.loss if w == 1.0 else out.loss * w)   # DeepSpeed scales by 1/gas itself
             self.engine.step()                   # applies the update at the accumulation boundary
-            total += float(out.loss.detach())
+            total += float(out.loss.detach()) * w if w != 1.0 else float(out.loss.detach())
             tokens += int(x.numel())
         gn = self.engine.get_global_grad_norm()
         gn = None if gn is None else float(gn)

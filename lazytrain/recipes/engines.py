@@ -44,7 +44,8 @@ class StepStats:
 class Engine(Protocol):
     model: torch.nn.Module
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepStats: ...
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   weights: Sequence[float] | None = None) -> StepStats: ...
     def set_lr(self, lr: float) -> None: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None: ...
@@ -99,7 +100,8 @@ class TorchEngine:
         for g in self.opt.param_groups:
             g["lr"] = lr
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   weights: Sequence[float] | None = None) -> StepStats:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -107,12 +109,14 @@ class TorchEngine:
         self.opt.zero_grad(set_to_none=True)
         total, tokens = 0.0, 0
         autocast = self.autocast
-        for x, y in micro_batches:
+        n = len(micro_batches)
+        for k, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device), y.to(self.device)
             with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
                 loss = self.model(input_ids=x, labels=y).loss
-            (loss / len(micro_batches)).backward()
-            total += float(loss.detach())
+            w = 1.0 if weights is None else float(weights[k])   # (see StreamingExecutor.train_step)
+            (loss / n if w == 1.0 else loss * w / n).backward()
+            total += float(loss.detach()) * w if w != 1.0 else float(loss.detach())
             tokens += x.numel()
         # optim.max_grad_norm=null: no clipping and no norm, so a non-finite gradient is applied,
         # as by torch's AdamW and the streaming executor (configs/train.yaml); inf: no clipping,
@@ -183,8 +187,8 @@ class StreamingEngine:
     def model(self) -> torch.nn.Module:
         return self.ex.model
 
-    def train_step(self, micro_batches):
-        return _stats(self.ex.train_step(list(micro_batches)))
+    def train_step(self, micro_batches, weights=None):
+        return _stats(self.ex.train_step(list(micro_batches), weights))
 
     def set_lr(self, lr: float) -> None:
         # Updates of the previous step may still be queued (on CUDA they overlap the next
@@ -243,9 +247,9 @@ class DeepSpeedEngine:
     def model(self) -> torch.nn.Module:
         return getattr(self.tr, "model", self._model)
 
-    def train_step(self, micro_batches):
+    def train_step(self, micro_batches, weights=None):
         t0 = time.perf_counter()
-        res = self.tr.train_step(list(micro_batches))
+        res = self.tr.train_step(list(micro_batches), weights)
         if isinstance(res, (float, int)) or torch.is_tensor(res):
             tokens = sum(int(x.numel()) for x, _ in micro_batches)
             return StepStats(loss=float(res), grad_norm=None, skipped=False,

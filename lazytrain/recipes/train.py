@@ -560,6 +560,20 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
             os.close(fd)   # (releases the output_dir's lock)
 
 
+def token_weights(labels: list[torch.Tensor]) -> list[float] | None:
+    """Each micro-batch's weight in the step's loss (all ranks' micro-batches, in order), so that
+    the step minimises the mean over every learned token, not the mean of the micro-batches' means
+    (HF's num_items_in_batch, torchtune's normalisation): with prompt tokens masked, batch 4 x
+    accum 1 and 2 x 2 gave other losses on the same sequences. Weight k = n * tokens_k / tokens
+    (engines average over the n micro-batches, ranks included); None when every micro-batch learns
+    as many tokens (all weights 1: the plain mean, bit for bit)."""
+    counts = [int((y[:, 1:] != -100).sum()) for y in labels]   # (the model shifts the labels)
+    total = sum(counts)
+    if total == 0 or len(set(counts)) == 1:
+        return None
+    return [len(counts) * c / total for c in counts]
+
+
 def _note_sigint(at: dict[str, Any]):
     """Ctrl-C raises KeyboardInterrupt as usual, and is also noted in `at`: one that lands in a
     weakref callback or a finalizer (the memory accountant's, which run often) is printed as
@@ -727,7 +741,10 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             # one step's micro-batches for all ranks; this rank trains every world-th of them
             mbs, position = ds.step_batches(position, job.batch_size, job.grad_accum * ranks.world)
             t0 = time.time()
-            st = engine.train_step([(b.input_ids, b.labels) for b in mbs[ranks.rank::ranks.world]])
+            w = token_weights([b.labels for b in mbs])
+            mine = [(b.input_ids, b.labels) for b in mbs[ranks.rank::ranks.world]]
+            # (weights only where they differ from 1: an engine without them trains as before)
+            st = engine.train_step(mine) if w is None else engine.train_step(mine, w[ranks.rank::ranks.world])
             if ranks.world > 1:   # what the step did as a whole: the mean loss, all tokens
                 loss_sum, tokens = ranks.sum(st.loss, st.tokens)
                 st = replace(st, loss=loss_sum / ranks.world, tokens=int(tokens))

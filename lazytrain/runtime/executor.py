@@ -19,6 +19,7 @@ logits in the recompute pass. The logits stay on the device (counted as "router_
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import deque
@@ -533,7 +534,8 @@ class StreamingExecutor:
                     loss = loss + ra.coef * aux.to(loss.device)
             if not mb["recomputing"]:
                 mb["loss"] = loss.detach()
-            return loss / mb["n"]
+            # (a weight of 1, every micro-batch learning as many tokens: the plain mean, bit for bit)
+            return loss / mb["n"] if mb["weight"] == 1.0 else loss * mb["weight"] / mb["n"]
         block = self.parts.blocks[i - 1]
         if ra is None or not ra.routers[i - 1]:
             return run_block(block, x, mb["kw"][i - 1])
@@ -728,7 +730,8 @@ class StreamingExecutor:
     def _set_rng_state(self, st: tuple) -> None:
         set_rng_states(st, [self.device] if self.cuda else [])
 
-    def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool) -> float:
+    def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool,
+                     weight: float = 1.0) -> float:
         ids, labels = ids.to(self.device), labels.to(self.device)
         B, S = ids.shape
         kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)   # one dict per block
@@ -741,7 +744,7 @@ class StreamingExecutor:
         self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}   # (before: alloc may raise, counted)
         self.acct.alloc(ctx_bytes, "step_context")
         self._drain_grads(keep=0)   # forward windows hold no weight grads (as planned)
-        mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "recomputing": False,
+        mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "weight": float(weight), "recomputing": False,
               # MoE router aux loss: per block its router logits (with graph), the head's leaf
               # copies, their gradients from the head, and the device bytes all of that holds
               "router": None, "rl": {}, "rl_leaf": {}, "rl_grad": {}, "rl_bytes": {}}
@@ -894,10 +897,19 @@ class StreamingExecutor:
         self.acts.clear()
 
     # ---- a step --------------------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """One optimizer step over `micro_batches` (list of (input_ids [B,S], labels [B,S]))."""
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   weights: Sequence[float] | None = None) -> StepResult:
+        """One optimizer step over `micro_batches` (list of (input_ids [B,S], labels [B,S])).
+
+        The step's loss is the mean of the micro-batches' (mean) losses; `weights` (one per
+        micro-batch, default 1) scale each in that mean: with n * learned_tokens_k / learned_tokens
+        it is the mean over every learned token of the step (recipes.train.token_weights)."""
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
+        if weights is not None and (len(weights) != len(micro_batches)
+                                    or not all(math.isfinite(w) and w >= 0 for w in weights)):
+            raise ValueError(f"train_step: weights must be {len(micro_batches)} finite numbers >= 0 (one per "
+                             f"micro-batch), got {list(weights)}")
         for k, (ids, labels) in enumerate(micro_batches):   # all of them, before any runs
             if ids.dim() != 2 or ids.shape != labels.shape:
                 raise ValueError(f"micro-batch {k}: input_ids and labels must both be [B, S], "
@@ -918,8 +930,9 @@ class StreamingExecutor:
                 # state belongs to the optimizer thread)
                 self._pending.append(self.opt_pool.submit(self._prefetch_states))
             for k, (ids, labels) in enumerate(micro_batches):
-                loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1)
-                losses.append(loss)
+                w = 1.0 if weights is None else float(weights[k])
+                loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1, w)
+                losses.append(loss if w == 1.0 else loss * w)
                 if aux is not None:
                     auxes.append(aux)
                 tokens += ids.numel()

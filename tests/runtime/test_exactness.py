@@ -202,3 +202,31 @@ def test_streaming_store_copies_keep_training_exact(plan_name, tmp_path, monkeyp
         calls = counting.calls
         test_twenty_steps_match_torch_adamw("llama", plan_name, None, True, "cpu", tmp_path / "fp32")
         assert counting.calls > calls
+
+
+@pytest.mark.parametrize("plan_name", ["all_resident", "mixed_segments", "acts_nvme"])
+def test_token_weighted_micro_batches_match_autograd(plan_name, tmp_path):
+    """weights (the train loop's token weights for masked labels) scale each micro-batch's loss
+    exactly as in plain autograd, recomputed segments included (their loss is not recomputed)."""
+    model = tiny_model("llama")
+    mbs = batches(3, seed=2)
+    mbs = [(ids, labels.masked_fill(torch.rand(labels.shape, generator=torch.Generator().manual_seed(k)) < 0.3 * k, -100))
+           for k, (ids, labels) in enumerate(mbs)]
+    weights = [0.5, 1.25, 1.25]
+    m = copy.deepcopy(model)
+    losses = []
+    for (ids, labels), w in zip(mbs, weights):
+        loss = m(input_ids=ids, labels=labels).loss
+        losses.append(loss.item() * w)
+        (loss * w / len(mbs)).backward()
+    ref_loss, ref_grads = sum(losses) / len(mbs), {n: p.grad for n, p in m.named_parameters()}
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)[plan_name]), device="cpu",
+                           nvme_dir=tmp_path, lr=0.0, max_grad_norm=float("inf"))
+    cap = GradCapture(ex)
+    res = ex.train_step(mbs, weights)
+    ex.wait()
+    assert abs(res.loss - ref_loss) <= REL * abs(ref_loss)
+    assert max(rel_err(cap.grads[n], ref_grads[n]) for n in ref_grads) <= REL
+    with pytest.raises(ValueError, match="weights must be 3 finite numbers >= 0"):
+        ex.train_step(mbs, [1.0, 1.0])
+    ex.close()
