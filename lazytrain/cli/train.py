@@ -11,6 +11,7 @@ without Hydra's run machinery, so bad input prints one line and exits 2 with not
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import sys
 
@@ -50,9 +51,21 @@ def _swept_keys(argv: list[str]) -> list[str]:
     return [o.key_or_group for o in parsed if o.is_sweep_override()]
 
 
+def _named_earlier(root: str, name: str) -> str | None:
+    """The subdir of `root` named with the same `key=value` parts as `name` in another order (sweep
+    dirs were named in the command line's key order before 2026-12-01), if there is one."""
+    parts = sorted(name.split(","))
+    try:
+        found = [e.path for e in os.scandir(root) if e.is_dir() and sorted(e.name.split(",")) == parts]
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
 def _sweep_subdir(cfg, keys: list[str], num: int) -> str:
-    """A sweep job's subdir of output_dir: named by its swept values (the same job finds its own
-    dir again when the sweep is re-run with resume=true, in any order), else Hydra's job number.
+    """A sweep job's subdir of output_dir: named by its swept values, keys sorted (the same job
+    finds its own dir again when the sweep is re-run with resume=true, its keys and values in any
+    order), else Hydra's job number.
     ASCII letters, digits and =,._+- only; where that (or the value's type: 0.1 vs '0.1') loses
     anything, a hash of the exact values is appended, so two jobs never share a dir."""
     import hashlib
@@ -62,6 +75,7 @@ def _sweep_subdir(cfg, keys: list[str], num: int) -> str:
 
     if not keys:
         return str(num)
+    keys = sorted(keys)
     values = [(k, OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(cfg, k))
                else v) for k in keys]
     exact = ",".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in values)
@@ -104,7 +118,7 @@ def _resume_without_output_dir(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise(list(sys.argv[1:] if argv is None else argv))
     from ..cli.config import config_dir, load_config
-    from ..recipes.train import USER_ERRORS, preflight
+    from ..recipes.train import USER_ERRORS, check_output_dir, preflight
 
     if "hardware=measured" in argv and not (config_dir() / "hardware" / "measured.yaml").is_file():
         return _error("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
@@ -118,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = load_config(_overrides(argv), config_name="train")
             pre = preflight(cfg)
+            if cfg.get("output_dir"):   # (Hydra's default run dir is a new one)
+                check_output_dir(cfg, Path(str(cfg.output_dir)).expanduser(), pre)
         except USER_ERRORS as e:
             return _error(str(e))
         except KeyboardInterrupt:   # (Ctrl-C while the data is tokenized, say): nothing written yet
@@ -155,6 +171,8 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
             params = (hc.sweeper.get("params") if hc.sweeper is not None else None) or {}   # hydra.sweeper.params
             keys = swept + [str(k) for k in params if str(k) not in swept]
             out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num))
+            if not os.path.exists(out):   # a sweep whose dirs were named in its command line's order
+                out = _named_earlier(str(cfg.output_dir), os.path.basename(out)) or out
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

@@ -630,6 +630,25 @@ def interrupted_message(out: Path, at: dict[str, Any]) -> str:
             f"output_dir={out}")
 
 
+def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:
+    """ConfigError when `out` cannot take this run: checkpoints of an earlier run without
+    resume=true, a checkpoint this job cannot resume, or another run writing there. `lazytrain
+    train` checks before Hydra starts (Hydra first writes .hydra/ into the run dir: a refused run
+    replaced the finished run's config record); `_run` checks again."""
+    found = ckpt.latest_checkpoint(out / "checkpoints")
+    if not cfg.resume and found is not None:
+        # a fresh run would overwrite its metrics and prune its checkpoints
+        raise ConfigError(f"output_dir {out} holds checkpoints of an earlier run (the latest: "
+                          f"{found.name}); resume=true continues it, a new run needs another "
+                          f"output_dir (or remove {out / 'checkpoints'})")
+    if cfg.resume and found is not None:
+        check_resumable(ckpt.read_state(found), cfg, pre.dataset, pre)
+    if (out / RUN_LOCK).is_file():
+        fd = lock_output_dir(out)   # (a probe: released at once; the run takes it for real)
+        if fd is not None:
+            os.close(fd)
+
+
 def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
          at: dict[str, Any]) -> dict[str, Any]:
     # ---- setup --------------------------------------------------------------------------------
@@ -638,13 +657,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         echo = _silent
     pre = pre or preflight(cfg)
     out = Path(output_dir).expanduser()
-    if not cfg.resume:   # (every rank: all of them stop, not only the one that writes)
-        found = ckpt.latest_checkpoint(out / "checkpoints")
-        if found is not None:
-            # a fresh run would overwrite its metrics and prune its checkpoints
-            raise ConfigError(f"output_dir {out} holds checkpoints of an earlier run (the latest: "
-                              f"{found.name}); resume=true continues it, a new run needs another "
-                              f"output_dir (or remove {out / 'checkpoints'})")
+    check_output_dir(cfg, out, pre)   # (every rank: all of them stop, not only the one that writes)
     max_steps = pre.max_steps
     stop_at = int(cfg.stop_at_step) if cfg.get("stop_at_step") else max_steps
     last = ckpt.latest_checkpoint(out / "checkpoints") if cfg.resume else None
@@ -680,6 +693,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     seed = int(cfg.seed)
     tokenizer, ds = pre.tokenizer, pre.dataset
     model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
+    if not cfg.model.get("path"):
+        align_special_tokens(model, tokenizer)
     engine = build_engine(cfg, model, pre, out, nvme_dir)
     if ranks.world == 1 and torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
@@ -832,6 +847,19 @@ class _NullMetrics:
 
 
 # ================================ save / report ==================================================
+
+def align_special_tokens(model: torch.nn.Module, tokenizer) -> None:
+    """A model built from a config (model=NAME) has its family's default special-token ids (Llama:
+    bos 1, eos 2), not its tokenizer's (the built-in one: bos = eos = 0, pad 1): saved so, its
+    generate() stopped at an ordinary token and never at the end-of-text it was trained on. The
+    tokenizer's are taken (weights untouched: the ids are only read when generating)."""
+    gen = getattr(model, "generation_config", None)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(tokenizer, name, None)
+        setattr(model.config, name, v)
+        if gen is not None:
+            setattr(gen, name, v)
+
 
 def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks()) -> None:
     """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.

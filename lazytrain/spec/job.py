@@ -55,7 +55,10 @@ class JobSpec:
         if self.master_dtype == "bf16" and self.optimizer_state_bits == 8:
             raise ValueError("job.optimizer_state_bits=8 keeps an fp32 master copy; use "
                              "job.master_dtype=fp32 with it")
-        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        targets = self.lora_targets
+        if isinstance(targets, str):   # job.lora_targets=q_proj (or "q_proj,v_proj"): names, not letters
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        object.__setattr__(self, "lora_targets", tuple(targets))
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -96,6 +99,6 @@ class JobSpec:
         if unknown:
             raise ValueError(f"unknown job keys {unknown}; valid: {sorted(known)}")
         d = dict(d)
-        if "lora_targets" in d:
+        if "lora_targets" in d and not isinstance(d["lora_targets"], str):
             d["lora_targets"] = tuple(d["lora_targets"])
         return cls(**d)
