@@ -59,11 +59,22 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
             return f"{d.name}: a tier outside {TIERS}"
         if d.activation_tier not in (*TIERS, "none"):
             return f"{d.name}: activation tier {d.activation_tier!r}"
-    from .solve import assignment_of   # (solve imports this module)
+    from .solve import assignment_of, simulate_plan   # (solve imports this module)
     try:
         assignment_of(plan).validate(len(plan.layers) - 2)
     except (ValueError, AssertionError) as e:
         return str(e)
+    # The entry must say what its own decisions give: replayed, tiers edited by hand (every
+    # layer's weights on a 24 GiB card) or a step time written over were served as they read.
+    try:
+        tl = simulate_plan(plan)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return f"its decisions do not replay ({e})"
+    if not math.isclose(tl.step_time_s, t, rel_tol=1e-6):
+        return f"its decisions give a {tl.step_time_s:.6g} s step, it says {t:.6g} s"
+    for tier in ("device", "host", "nvme"):
+        if abs(tl.peak_bytes[tier] - peaks[tier]) > 1e-6 * max(peaks[tier], 1) + 4096:
+            return f"its decisions give a {tier} peak of {tl.peak_bytes[tier]} bytes, it says {peaks[tier]}"
     return ""
 
 

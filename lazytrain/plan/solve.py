@@ -455,6 +455,13 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                             dict(master_dtype="bf16", optimizer_state_bits=32)))
         if job.optimizer_state_bits != 8 and job.master_dtype == "fp32":
             changes.append(("job.optimizer_state_bits=8", dict(optimizer_state_bits=8)))
+        if job.grad_accum == 1:
+            # with accumulation the gradients may wait on NVMe between micro-batches (without it every
+            # layer's fp32 gradients stay on the host until the update)
+            b = job.batch_size
+            changes.append((f"job.batch_size={b // 2} job.grad_accum=2 (the same tokens per step)"
+                            if b >= 2 and b % 2 == 0 else "job.grad_accum=2 (twice the tokens per step)",
+                            dict(grad_accum=2, batch_size=b // 2 if b >= 2 and b % 2 == 0 else b)))
     if job.mode != "lora":
         changes.append(("job.mode=lora", dict(mode="lora")))
     fixes = []
@@ -495,6 +502,33 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
 
 
 SUGGESTION_TIME_LIMIT_S = 10.0
+SHORTEST_SEQ = 16   # the sequence length below which shortening is not worth suggesting
+CHUNK_SUGGESTED = 1024
+
+
+def _other_device_fixes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                        method: str, need: int) -> str:
+    """Changes besides batch, length and device memory that let the job plan at this device budget:
+    the chunked loss (when the logits set the floor) and more host memory (when the host, not the
+    device, is what runs short: the layouts that would fit the device need more host than there
+    is). Each is planned before it is said."""
+    out = []
+    tokens = job.batch_size * job.seq_len
+    if not job.loss_chunk_tokens and tokens > CHUNK_SUGGESTED:
+        chunked = replace(job, loss_chunk_tokens=CHUNK_SUGGESTED)
+        c = min_device_bytes(model, hw, chunked, options, method)
+        if isinstance(c, int) and c != TIMED_OUT and c < need:
+            fits = c <= hw.device_memory_bytes
+            out.append(f"job.loss_chunk_tokens={CHUNK_SUGGESTED} (the loss over chunks of tokens, never all "
+                       f"logits at once) {'plans it' if fits else f'brings the need down to {_gib(c, up=True)}'}")
+    host, _ = _least_host_and_nvme(model, hw, job, options, method)
+    if host > hw.host_capacity_bytes:
+        extra = int(hw.host_reserve_gib * GiB) + (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
+        more = replace(hw, host_memory_gib=_up(host + extra))
+        if _planned(model, more, job, options, method) is not None:
+            out.append(f"hardware.host_memory_gib={more.host_memory_gib:.2f} plans it at this device budget "
+                       f"(the host, holding what the device does not, is what runs short)")
+    return ("; or " + "; or ".join(out)) if out else ""
 
 
 def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
@@ -542,9 +576,21 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     best = 0
     if job.batch_size > 1:
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1)
-    tail = (f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} "
-            f"(job.batch_size={best})" if best else
-            f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory")
+    if best:
+        tail = f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} (job.batch_size={best})"
+    else:
+        # whether any sequence length would do: the weights' streaming buffers and the workspace
+        # do not shrink with it (review: "shorten job.seq_len" at seq 16, which needed 4.28 GiB)
+        shortest = replace(job, batch_size=1, seq_len=min(job.seq_len, SHORTEST_SEQ))
+        floor = min_device_bytes(model, hw, shortest, options, method) if shortest != job else need
+        if floor is None or floor == TIMED_OUT or floor > hw.device_memory_bytes:
+            tail = (f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}, nor would any sequence length "
+                    + (f"(job.seq_len={shortest.seq_len} needs {_gib(floor, up=True)}: streaming buffers and "
+                       f"workspace)" if isinstance(floor, int) and floor != TIMED_OUT else "")
+                    + ": add device memory")
+        else:
+            tail = f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory"
+    tail += _other_device_fixes(model, hw, job, options, method, need)
     need_gib, need_txt = _up_setting(need)  # rounded up: the suggested setting must fit
     setting = f"hardware.device_memory_gib={need_txt}"
     if hw.device_type == "cpu" and need_gib > hw.device_memory_gib:

@@ -99,3 +99,52 @@ def test_trace_without_metrics_says_what_it_cannot_tell(small, tmp_path, capsys)
                                                  "end_s": 0.01, "bytes": 0, "tier": "device"}) + "\n")
     assert cli_main(["plan", "trace", str(run)]) == 0
     assert "no metrics.jsonl: which steps completed is unknown" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit", ["step", "tiers"])
+def test_a_cache_entry_whose_numbers_its_decisions_do_not_give_is_re_solved(small, tmp_path, caplog, edit):
+    """Valid-looking hand edits were served as they read: every layer's weights set on the device
+    (far above the card) with the old peak, or a 0.001 s step."""
+    import logging
+
+    model, h, job = small
+    plan = plan_job(model, h, job, cache_dir=tmp_path)
+    f = tmp_path / f"{plan.input_hash}.json"
+    d = json.loads(f.read_text())
+    if edit == "step":
+        d["predicted"]["step_time_s"] = 0.001
+    else:
+        for lay in d["layers"]:
+            lay["param_tier"] = "host" if lay["param_tier"] == "device" else "device"
+    f.write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING):
+        again = plan_job(model, h, job, cache_dir=tmp_path)
+    assert "ignoring damaged plan cache entry" in caplog.text and "its decisions give" in caplog.text
+    assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert [x.param_tier for x in again.layers] == [x.param_tier for x in plan.layers]
+
+
+def _explain(over):
+    from lazytrain.cli.config import hardware_spec, job_spec, model_spec, planner_options
+
+    cfg = load_config([*over, "planner.cache=false"])
+    plan = plan_job(model_spec(cfg), hardware_spec(cfg), job_spec(cfg), planner_options(cfg), cache_dir=None)
+    assert not plan.fits
+    return " ".join(plan.explanation)
+
+
+def test_infeasible_advice_names_what_would_help():
+    """Review: 'shorten job.seq_len' where no length fits; the device blamed where more host memory
+    plans the job at this device budget; neither accumulation (gradients may then wait on NVMe)
+    nor the chunked loss suggested. Each suggestion is one the planner plans."""
+    text = _explain(["model=llama3-8b", "hardware=rtx3090", "hardware.device_memory_gib=0.5", "job.seq_len=16"])
+    assert "nor would any sequence length (job.seq_len=16 needs 4.28 GiB" in text and "shorten" not in text
+    text = _explain(["model=llama3-8b", "hardware=rtx3090", "hardware.host_memory_gib=48"])
+    assert "job.grad_accum=2 (twice the tokens per step) (planned host peak" in text
+    text = _explain(["model=llama3-8b", "hardware=rtx3090", "hardware.device_memory_gib=0.5", "job.mode=lora",
+                     "job.batch_size=4", "job.seq_len=2048"])
+    assert "job.loss_chunk_tokens=1024 (the loss over chunks of tokens, never all logits at once) brings the " \
+           "need down to 5.84 GiB" in text
+    text = _explain(["model=qwen2.5-32b", "hardware=rtx3090", "job.mode=full", "job.seq_len=2048",
+                     "hardware.host_memory_gib=157.9"])
+    assert "hardware.host_memory_gib=157.98 plans it at this device budget" in text
