@@ -95,30 +95,57 @@ _JSON_TYPES = {list: "a JSON array", dict: "a JSON object", bool: "a JSON boolea
                int: "a JSON number", float: "a JSON number"}
 
 
-def _field_text(path: Path, lineno: int, field: str, key: str, value) -> str:
+def _field_text(path: Path, lineno: int | str, field: str, key: str, value) -> str:
     """A row's field as text: a string as it is, null as empty text. Anything else is an error:
     its str() would be trained on as Python's repr (a chat-style "messages" list as
     "[{'role': ...}]"), and a string holding a lone UTF-16 surrogate (JSON's "\\ud83d", half an
     emoji, in scraped data) fails inside the tokenizer with no file or line named."""
+    at = f":{lineno}" if isinstance(lineno, int) else lineno   # a line number, or "[k]" in an array
     if value is None:
         return ""
     if not isinstance(value, str):
         what = _JSON_TYPES.get(type(value), type(value).__name__)
-        raise DataError(f"{path}:{lineno}: field {field!r} is {what}, not a string; {key} must name a "
+        raise DataError(f"{path}{at}: field {field!r} is {what}, not a string; {key} must name a "
                         f"string field (render chat-style message lists to text first)")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise DataError(f"{path}:{lineno}: field {field!r} holds a lone UTF-16 surrogate "
+        raise DataError(f"{path}{at}: field {field!r} holds a lone UTF-16 surrogate "
                         f"({value[e.start]!r} at character {e.start}), not valid Unicode text; fix or "
                         f"drop the row") from None
     return value
 
 
+def _starts_with_array(path: Path) -> bool:
+    """The file's first non-blank character is '[' (a JSON array, not JSON lines)."""
+    with path.open("rb") as f:
+        while chunk := f.read(4096):
+            head = chunk.lstrip()
+            if head:
+                return head[:1] == b"["
+    return False
+
+
 def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
     """The values of `fields` (field -> the config key that names it) in each row of a JSONL file;
     a null value reads as empty text, a value that is not a string is an error (`_field_text`).
-    Lines are decoded one by one so a bad byte is reported with its line."""
+    Lines are decoded one by one so a bad byte is reported with its line. A file that holds one JSON
+    array of rows (a `.json` export, what `json.dump(rows, f)` writes) is read as those rows, each
+    named by its index in errors."""
+    if _starts_with_array(path):
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        for k, obj in enumerate(rows):
+            where = f"[{k}]"
+            for field, key in fields.items():
+                if not isinstance(obj, dict) or field not in obj:
+                    raise DataError(f"{path}{where}: no {field!r} field (set {key})")
+            yield tuple(_field_text(path, where, field, key, obj[field]) for field, key in fields.items())
+        return
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:

@@ -141,3 +141,27 @@ def test_prompt_completion_bad_rows(tmp_path, tok, content, name, match):
     (tmp_path / name).write_text(content)
     with pytest.raises(DataError, match=match):
         build_dataset([tmp_path / name], tok, seq_len=8, prompt_field="prompt", text_field="completion")
+
+
+def test_a_json_file_holding_one_array_of_rows_is_read_as_its_rows(tmp_path):
+    """`json.dump(rows, f)` output (one-line or pretty-printed) was read as JSON lines: "no 'text'
+    field" on line 1, or "not valid JSON"."""
+    import json as _json
+
+    from lazytrain.data.dataset import DataError, read_documents, read_pairs
+
+    rows = [{"text": "first doc"}, {"text": "second doc"}]
+    one, pretty = tmp_path / "one.json", tmp_path / "pretty.json"
+    one.write_text(_json.dumps(rows))
+    pretty.write_text("\n  " + _json.dumps(rows, indent=2))
+    assert list(read_documents(one)) == list(read_documents(pretty)) == ["first doc", "second doc"]
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(_json.dumps([{"p": "q?", "a": "yes"}]))
+    assert list(read_pairs(pairs, "p", "a")) == [("q?", "yes")]
+    bad = tmp_path / "bad.json"
+    bad.write_text(_json.dumps([{"text": "ok"}, {"body": "x"}]))
+    with pytest.raises(DataError, match=r"bad.json\[1\]: no 'text' field \(set data.text_field\)"):
+        list(read_documents(bad))
+    bad.write_text(_json.dumps([{"text": ["a"]}]))
+    with pytest.raises(DataError, match=r"bad.json\[0\]: field 'text' is a JSON array"):
+        list(read_documents(bad))
