@@ -51,6 +51,15 @@ def _swept_keys(argv: list[str]) -> list[str]:
     return [o.key_or_group for o in parsed if o.is_sweep_override()]
 
 
+def _copy_hydra_record(job_dir: Path, out: Path) -> None:
+    """Hydra's .hydra/ (config.yaml, overrides.yaml, hydra.yaml) of a sweep job, into its output dir."""
+    import shutil
+
+    src = job_dir / ".hydra"
+    if src.is_dir() and src.resolve() != (out / ".hydra").resolve():
+        shutil.copytree(src, out / ".hydra", dirs_exist_ok=True)
+
+
 def _named_earlier(root: str, name: str) -> str | None:
     """The subdir of `root` named with the same `key=value` parts as `name` in another order (sweep
     dirs were named in the command line's key order before 2026-12-01), if there is one."""
@@ -151,7 +160,7 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
-    from ..recipes.train import USER_ERRORS, TrainingInterrupted, run
+    from ..recipes.train import USER_ERRORS, TrainingInterrupted, check_output_dir, preflight, run
     from ..storage.aligned_io import DiskIOError
     try:
         from ..runtime import DeviceBudgetExceeded
@@ -179,7 +188,14 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
                                   "rank sees (a shared filesystem across nodes)")
             return None
         try:
-            s = run(cfg, out, pre=pre)
+            task_pre = pre
+            if cfg.output_dir and str(hc.mode) == "RunMode.MULTIRUN":
+                # Hydra records the job's config in its own sweep dir: checked, then copied into the
+                # job's output dir, which otherwise had no record of what it ran
+                task_pre = preflight(cfg)
+                check_output_dir(cfg, Path(out), task_pre)
+                _copy_hydra_record(Path(hc.runtime.output_dir), Path(out))
+            s = run(cfg, out, pre=task_pre)
         except USER_ERRORS as e:
             status["rc"] = _error(str(e))
             return None

@@ -75,3 +75,17 @@ def test_lora_targets_given_as_one_string_are_names_not_letters():
     assert JobSpec.from_dict({"mode": "lora", "lora_targets": "q_proj"}).lora_targets == ("q_proj",)
     assert JobSpec(mode="lora", lora_targets="q_proj, v_proj").lora_targets == ("q_proj", "v_proj")
     assert JobSpec.from_dict({"mode": "lora", "lora_targets": ["q_proj"]}).lora_targets == ("q_proj",)
+
+
+def test_each_sweep_job_keeps_its_hydra_record_in_its_output_dir(base_overrides, tmp_path, capsys, monkeypatch):
+    """With --multirun output_dir=DIR, .hydra/ stayed under Hydra's sweep dir: DIR/<values> had no
+    record of the config it ran."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--multirun", *base_overrides, "optim.lr=1e-3,2e-3", "job.max_steps=1", "save_final_model=false",
+                     f"output_dir={tmp_path / 'sw'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]) == 0
+    capsys.readouterr()
+    for name, lr in (("optim.lr=0.001", 1e-3), ("optim.lr=0.002", 2e-3)):
+        rec = OmegaConf.load(tmp_path / "sw" / name / ".hydra" / "config.yaml")
+        assert rec.optim.lr == lr
