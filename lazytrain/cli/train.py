@@ -71,10 +71,11 @@ def _named_earlier(root: str, name: str) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _sweep_subdir(cfg, keys: list[str], num: int) -> str:
+def _sweep_subdir(cfg, keys: list[str], num: int, ordered: bool = True) -> str:
     """A sweep job's subdir of output_dir: named by its swept values, keys sorted (the same job
     finds its own dir again when the sweep is re-run with resume=true, its keys and values in any
-    order), else Hydra's job number.
+    order; `ordered=False`: in the given order, as named before 2026-12-01), else Hydra's job
+    number.
     ASCII letters, digits and =,._+- only; where that (or the value's type: 0.1 vs '0.1') loses
     anything, a hash of the exact values is appended, so two jobs never share a dir."""
     import hashlib
@@ -84,7 +85,7 @@ def _sweep_subdir(cfg, keys: list[str], num: int) -> str:
 
     if not keys:
         return str(num)
-    keys = sorted(keys)
+    keys = sorted(keys) if ordered else keys
     values = [(k, OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(cfg, k))
                else v) for k in keys]
     exact = ",".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in values)
@@ -181,7 +182,9 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
             keys = swept + [str(k) for k in params if str(k) not in swept]
             out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num))
             if not os.path.exists(out):   # a sweep whose dirs were named in its command line's order
-                out = _named_earlier(str(cfg.output_dir), os.path.basename(out)) or out
+                given = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num, ordered=False))
+                out = (given if os.path.isdir(given) else   # (the same order: hashed names too)
+                       _named_earlier(str(cfg.output_dir), os.path.basename(out)) or out)
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

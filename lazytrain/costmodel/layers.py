@@ -142,9 +142,10 @@ _LORA_WARNED: "weakref.WeakValueDictionary[tuple, ModelSpec]" = weakref.WeakValu
 
 
 def sliding_window_active(model: ModelSpec, job: JobSpec) -> bool:
-    """The sequence is longer than the model's attention window: transformers then builds an
-    explicit mask for SDPA instead of its causal flag (up to the window, causal is the same)."""
-    return model.sliding_window is not None and job.seq_len > model.sliding_window
+    """The sequence reaches the model's attention window: transformers then builds an explicit mask
+    for SDPA instead of its causal flag (masking_utils: kv_length >= the window; below it, causal
+    is the same)."""
+    return model.sliding_window is not None and job.seq_len >= model.sliding_window
 
 
 def sliding_mask_bytes(model: ModelSpec, job: JobSpec) -> int:
@@ -180,9 +181,9 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         # fp32 log-softmax)
         fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
         act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
-        if spec.kind == "block" and sliding_window_active(model, job):
+        if spec.kind == "block" and sliding_window_active(model, job) and spec.index - 1 in model.sliding_blocks:
             # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
-            # saves that, in every layer (measured on the CPU device: [batch, 1, seq, seq] per
+            # saves that, in every sliding layer (measured on the CPU device: [batch, 1, seq, seq] per
             # block, its own each), and transformers repeats k and v to every query head first (no
             # enable_gqa with a mask), which are what SDPA saves: (heads - kv heads) x head_dim more
             act += job.batch_size * job.seq_len * job.seq_len * cb

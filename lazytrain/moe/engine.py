@@ -115,8 +115,10 @@ class StreamedMoE:
             # grouped_mm visits every expert of the tensor it is given, routed or not: on the CPU an
             # empty group costs 5-10 us (measured), as long as a ~100 KB copy. The views cover the
             # routed slots' span only, and a span mostly of other slots (few routed, far apart: a
-            # decode step in a big cache) is cheaper gathered.
-            if self.base_name != "grouped_mm" or span * self.slot_overhead_bytes <= len(slots) * self.cache.slot_bytes:
+            # decode step in a big cache) is cheaper gathered: the unrouted slots' overhead against
+            # the copy of the routed ones (whose groups both ways pay).
+            if self.base_name != "grouped_mm" or \
+                    (span - len(slots)) * self.slot_overhead_bytes <= len(slots) * self.cache.slot_bytes:
                 return SimpleNamespace(num_experts=span, **flags, **{k: v[lo:hi + 1] for k, v in views.items()}), \
                     [s - lo for s in slots]
         idx = torch.tensor(slots, dtype=torch.long, device=self.cache.pool.device)

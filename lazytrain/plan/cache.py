@@ -3,6 +3,7 @@ replaced by the re-solved plan)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -67,7 +68,8 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
     # The entry must say what its own decisions give: replayed, tiers edited by hand (every
     # layer's weights on a 24 GiB card) or a step time written over were served as they read.
     try:
-        tl = simulate_plan(plan)
+        with _quiet("lazytrain.costmodel.layers"):   # (said when planning: an unmatched LoRA target)
+            tl = simulate_plan(plan)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         return f"its decisions do not replay ({e})"
     if not math.isclose(tl.step_time_s, t, rel_tol=1e-6):
@@ -76,6 +78,18 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
         if abs(tl.peak_bytes[tier] - peaks[tier]) > 1e-6 * max(peaks[tier], 1) + 4096:
             return f"its decisions give a {tier} peak of {tl.peak_bytes[tier]} bytes, it says {peaks[tier]}"
     return ""
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Records of `logger` (this logger only) dropped while the block runs."""
+    lg = logging.getLogger(logger)
+    was = lg.disabled
+    lg.disabled = True
+    try:
+        yield
+    finally:
+        lg.disabled = was
 
 
 class PlanCache:

@@ -643,8 +643,10 @@ def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:
                           f"output_dir (or remove {out / 'checkpoints'})")
     if cfg.resume and found is not None:
         check_resumable(ckpt.read_state(found), cfg, pre.dataset, pre)
-    if (out / RUN_LOCK).is_file():
-        fd = lock_output_dir(out)   # (a probe: released at once; the run takes it for real)
+    if ranks_of(cfg).main and (out / RUN_LOCK).is_file():
+        # (a probe, released at once, and rank 0's only: the run's rank 0 takes it for real, and
+        # other ranks probing while it holds it refused their own launch)
+        fd = lock_output_dir(out)
         if fd is not None:
             os.close(fd)
 

@@ -80,6 +80,7 @@ class ModelSpec:
     # sliding-window attention in some layer: past this many tokens the model builds a [batch, 1,
     # seq, seq] mask (and repeats k/v to every head for SDPA), which the cost model counts
     sliding_window: int | None = None
+    sliding_blocks: tuple[int, ...] = ()   # the blocks (0-based) that use it
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -242,26 +243,28 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
         intermediate_size=inter,
         max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
         tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
-        sliding_window=_sliding_window(cfg, family, L),
+        sliding_window=(sw := _sliding_window(cfg, family, L))[0], sliding_blocks=sw[1],
     )
 
 
-def _sliding_window(cfg: dict, family: str, num_layers: int) -> int | None:
-    """The attention window when at least one layer uses sliding-window attention, as transformers
-    reads the config (its defaults: Mistral's window is 4096 when config.json names none; Qwen's
-    layers slide only with use_sliding_window, from max_window_layers on), else None."""
+def _sliding_window(cfg: dict, family: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(the attention window, the blocks that use it) when at least one layer uses sliding-window
+    attention, as transformers reads the config (its defaults: Mistral's window is 4096 when
+    config.json names none; Qwen's layers slide only with use_sliding_window, from
+    max_window_layers on), else (None, ())."""
     w = cfg.get("sliding_window", 4096 if family == "mistral" else None)
     if not w:
-        return None
+        return None, ()
     types = cfg.get("layer_types")
     if types is None and family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window", False):
-            return None
+            return None, ()
         types = ["sliding_attention" if i >= int(cfg.get("max_window_layers", num_layers)) else "full_attention"
                  for i in range(num_layers)]
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(w)
+    if types is None:
+        return int(w), tuple(range(num_layers))
+    blocks = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (int(w), blocks) if blocks else (None, ())
 
 
 def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:

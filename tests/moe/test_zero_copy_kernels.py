@@ -38,9 +38,10 @@ def test_each_kernel_exact_and_in_place(impl, in_place, tiny_moe, tmp_path):
             return base(proxy, *args)
 
         eng._base = spy
-        # grouped_mm gathers when the routed slots' span is mostly other slots; these experts are
-        # tiny (74 KB), so which way it goes is set here
-        eng.slot_overhead_bytes = 0 if in_place else 1 << 40
+        # which way grouped_mm goes is set here (the rule is test_grouped_mm_gathers_...'s): in place,
+        # or the gathered copies (also exact)
+        eng.slot_overhead_bytes = 0
+        eng.zero_copy = eng.zero_copy and in_place
         with torch.no_grad():
             got = eng.model(ids).logits
         assert torch.equal(got, want)
@@ -65,8 +66,8 @@ def test_grouped_mm_gathers_a_span_of_mostly_other_slots(mixtral_store):
         experts = eng.layers[0].experts
         pool = eng.cache.pool.untyped_storage().data_ptr()
         n = eng.cache.num_slots
-        eng.slot_overhead_bytes = eng.cache.slot_bytes // 4      # one routed slot pays for 4 others
-        for slots, in_place in (([3, 4], True), ([0, 9], False), ([0, 7], True), ([0, n - 1], False)):
+        eng.slot_overhead_bytes = eng.cache.slot_bytes // 4      # one routed slot's copy pays for 4 others
+        for slots, in_place in (([3, 4], True), ([0, 11], False), ([0, 9], True), ([0, n - 1], False)):
             proxy, ids = eng._proxy(experts, 0, slots)
             assert (proxy.down_proj.untyped_storage().data_ptr() == pool) == in_place, slots
             assert proxy.num_experts == proxy.down_proj.shape[0]

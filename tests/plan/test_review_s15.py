@@ -148,3 +148,18 @@ def test_infeasible_advice_names_what_would_help():
     text = _explain(["model=qwen2.5-32b", "hardware=rtx3090", "job.mode=full", "job.seq_len=2048",
                      "hardware.host_memory_gib=157.9"])
     assert "hardware.host_memory_gib=157.98 plans it at this device budget" in text
+
+
+def test_a_cache_hit_does_not_repeat_the_lora_target_warning(small, tmp_path, caplog):
+    """The cache check replays an entry with a model spec of its own: the once-per-spec warning
+    about an unmatched LoRA target came back on every hit."""
+    import logging
+
+    model, h, job = small
+    job = replace(job, mode="lora", lora_targets=("q_proj", "foo"))
+    plan_job(model, h, job, cache_dir=tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            plan_job(model, h, job, cache_dir=tmp_path)
+    assert "match no linear layer" not in caplog.text

@@ -89,3 +89,41 @@ def test_each_sweep_job_keeps_its_hydra_record_in_its_output_dir(base_overrides,
     for name, lr in (("optim.lr=0.001", 1e-3), ("optim.lr=0.002", 2e-3)):
         rec = OmegaConf.load(tmp_path / "sw" / name / ".hydra" / "config.yaml")
         assert rec.optim.lr == lr
+
+
+def test_only_rank_0_probes_the_output_dir_lock(base_overrides, tmp_path, monkeypatch):
+    """Every rank probed the lock rank 0 holds while it trains: rank 1 refused its own launch."""
+    import os
+
+    import pytest
+    from omegaconf import OmegaConf
+
+    from lazytrain.cli.config import ConfigError, load_config
+    from lazytrain.recipes.train import check_output_dir, preflight
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = load_config([*base_overrides, "engine=deepspeed", f"output_dir={out}"], config_name="train")
+    OmegaConf.set_struct(cfg, False)
+    pre = preflight(load_config(base_overrides, config_name="train"))
+    fd = hold_flock(out / RUN_LOCK)   # rank 0, training
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+        check_output_dir(cfg, out, pre)
+        monkeypatch.setenv("RANK", "0")   # (another process holding it: rank 0 is told)
+        with pytest.raises(ConfigError, match="in use by another lazytrain run"):
+            check_output_dir(cfg, out, pre)
+    finally:
+        os.close(fd)
+
+
+def test_a_hashed_sweep_dir_named_in_the_given_order_is_found(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"optim": {"lr": 1e-4, "betas": [0.9, 0.95]}})
+    keys = ["optim.lr", "optim.betas"]
+    old = cli._sweep_subdir(cfg, keys, 0, ordered=False)
+    new = cli._sweep_subdir(cfg, keys, 0)
+    assert old != new and "-" in old.rsplit(",", 1)[-1]   # a hashed name, as named before
+    assert cli._sweep_subdir(cfg, list(reversed(keys)), 0) == new

@@ -495,3 +495,24 @@ def test_which_models_slide():
     assert window("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=2) == 64
     assert window("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=4) is None
     assert window("qwen3", sliding_window=64, layer_types=["full_attention"] * 3 + ["sliding_attention"]) == 64
+
+
+def test_sliding_costs_only_the_sliding_blocks_and_from_the_window_on():
+    """transformers builds the mask once kv_length reaches the window (seq == window included:
+    it was left out), and only layers of type sliding_attention use it."""
+    from lazytrain.costmodel import job_costs
+    from lazytrain.spec import JobSpec, ModelSpec
+
+    base = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=128, sliding_window=16,
+                use_sliding_window=True, max_window_layers=2)
+    model = ModelSpec.from_hf_config(base)
+    assert model.sliding_blocks == (2, 3)
+    hw = hardware_for_tests()
+    at = {seq: [c.act_bytes for c in job_costs(model, hw, JobSpec(batch_size=1, seq_len=seq)).blocks]
+          for seq in (15, 16)}
+    plain = ModelSpec.from_hf_config(dict(base, use_sliding_window=False))
+    flat = {seq: [c.act_bytes for c in job_costs(plain, hw, JobSpec(batch_size=1, seq_len=seq)).blocks]
+            for seq in (15, 16)}
+    assert at[15] == flat[15]                                   # below the window: no mask
+    assert at[16][:2] == flat[16][:2] and all(a > b for a, b in zip(at[16][2:], flat[16][2:]))
