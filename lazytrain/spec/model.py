@@ -119,6 +119,8 @@ class ModelSpec:
         for ld in d.pop("layers"):
             ld["linears"] = tuple(Linear(**lin) for lin in ld["linears"])
             layers.append(LayerSpec(**ld))
+        if "sliding_blocks" in d:
+            d["sliding_blocks"] = tuple(d["sliding_blocks"])
         return cls(layers=tuple(layers), **d)
 
     @classmethod
