@@ -583,10 +583,10 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         # do not shrink with it (review: "shorten job.seq_len" at seq 16, which needed 4.28 GiB)
         shortest = replace(job, batch_size=1, seq_len=min(job.seq_len, SHORTEST_SEQ))
         floor = min_device_bytes(model, hw, shortest, options, method) if shortest != job else need
-        if floor is None or floor == TIMED_OUT or floor > hw.device_memory_bytes:
+        if floor != TIMED_OUT and (floor is None or floor > hw.device_memory_bytes):   # (timed out: unknown)
             tail = (f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}, nor would any sequence length "
                     + (f"(job.seq_len={shortest.seq_len} needs {_gib(floor, up=True)}: streaming buffers and "
-                       f"workspace)" if isinstance(floor, int) and floor != TIMED_OUT else "")
+                       f"workspace)" if floor is not None else "")
                     + ": add device memory")
         else:
             tail = f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory"
