@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_layers and not with_layers:
         print(f"  no model= given: per-layer timing skipped, efficiency {base.efficiency} kept from "
               f"hardware={base.name} (model=NAME or model.path=DIR measures it for that model)", flush=True)
+    from ..storage.tiers import memory_backed
+
+    disk_dir = args.nvme_dir or tempfile.gettempdir()
+    fs = memory_backed(disk_dir)
+    if fs:   # (the drive test would time RAM and write it into the profile as the NVMe's rates)
+        print(f"  warning: {disk_dir} is on {fs} (RAM): its read/write rates are not a drive's; give "
+              f"--nvme-dir a directory on the SSD that storage.nvme_dir will use", flush=True)
     busy = _busy_cores()
     if busy:
         print(f"  warning: {busy}; the timings will be low (profile on an idle machine)", flush=True)

@@ -116,6 +116,13 @@ def _field_text(path: Path, lineno: int | str, field: str, key: str, value) -> s
     return value
 
 
+def _chat_hint(obj) -> str:
+    """For a chat-style row (a "messages" list), which data.text_field cannot name as text."""
+    if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+        return "; this is a chat row ('messages'): chat rows are not supported, render them to text first"
+    return ""
+
+
 def _starts_with_array(path: Path) -> bool:
     """The file's first non-blank character is '[' (a JSON array, not JSON lines)."""
     with path.open("rb") as f:
@@ -143,7 +150,7 @@ def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]
             where = f"[{k}]"
             for field, key in fields.items():
                 if not isinstance(obj, dict) or field not in obj:
-                    raise DataError(f"{path}{where}: no {field!r} field (set {key})")
+                    raise DataError(f"{path}{where}: no {field!r} field (set {key})" + _chat_hint(obj))
             yield tuple(_field_text(path, where, field, key, obj[field]) for field, key in fields.items())
         return
     with path.open("rb") as f:
@@ -161,7 +168,7 @@ def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             for field, key in fields.items():
                 if not isinstance(obj, dict) or field not in obj:
-                    raise DataError(f"{path}:{lineno}: no {field!r} field (set {key})")
+                    raise DataError(f"{path}:{lineno}: no {field!r} field (set {key})" + _chat_hint(obj))
             yield tuple(_field_text(path, lineno, field, key, obj[field]) for field, key in fields.items())
 
 

@@ -165,3 +165,14 @@ def test_a_json_file_holding_one_array_of_rows_is_read_as_its_rows(tmp_path):
     bad.write_text(_json.dumps([{"text": ["a"]}]))
     with pytest.raises(DataError, match=r"bad.json\[0\]: field 'text' is a JSON array"):
         list(read_documents(bad))
+
+
+def test_a_chat_row_under_the_default_field_says_what_it_is(tmp_path):
+    import json as _json
+
+    from lazytrain.data.dataset import DataError, read_documents
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text(_json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match=r"chat.jsonl:1: no 'text' field .*chat row \('messages'\)"):
+        list(read_documents(f))
