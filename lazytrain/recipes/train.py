@@ -407,7 +407,12 @@ def job_identity(cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> dict[str
     return {"engine": str(cfg.engine), "mode": pre.job.mode, "seed": int(cfg.seed),
             "dataset": {"sequences": len(ds), "seq_len": ds.seq_len, "fingerprint": ds.fingerprint},
             "optimizer_state_bits": pre.job.optimizer_state_bits, "master_dtype": pre.job.master_dtype,
-            "model_config": json.loads(json.dumps(arch, sort_keys=True, default=str))}
+            "model_config": json.loads(json.dumps(arch, sort_keys=True, default=str)),
+            # DeepSpeed restores these from its checkpoint and ignores new values (review): changed,
+            # they are refused rather than silently not applied (the other engines apply them)
+            **({"optimizer_settings": {"weight_decay": float(cfg.optim.weight_decay),
+                                       "betas": [float(b) for b in cfg.optim.betas], "eps": float(cfg.optim.eps)}}
+               if str(cfg.engine) == "deepspeed" else {})}
 
 
 def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:
@@ -460,7 +465,13 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
             engine.load(last / "engine")
         else:
             engine.load_state_dict(tensors)
-    except (KeyError, ValueError, RuntimeError) as e:   # (DiskIOError, an OSError, passes through)
+    except DiskIOError:
+        raise
+    except OSError as e:   # (DeepSpeed's own files: one deleted gave a FileNotFoundError traceback)
+        raise ConfigError(f"cannot resume from {last}: {e.strerror or type(e).__name__}"
+                          f"{f' ({e.filename})' if e.filename else ''}; the checkpoint is incomplete: "
+                          f"remove it to resume from the one before, or use a new output_dir") from None
+    except (KeyError, ValueError, RuntimeError) as e:
         raise ConfigError(f"cannot resume from {last}: its engine state does not fit this run "
                           f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
                           f"use the settings it was written with or a new output_dir") from None
@@ -642,7 +653,12 @@ def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:
                           f"{found.name}); resume=true continues it, a new run needs another "
                           f"output_dir (or remove {out / 'checkpoints'})")
     if cfg.resume and found is not None:
-        check_resumable(ckpt.read_state(found), cfg, pre.dataset, pre)
+        state = ckpt.read_state(found)
+        check_resumable(state, cfg, pre.dataset, pre)
+        world = ranks_of(cfg).world
+        if int(state.get("world_size", 1)) != world:   # (said before the model is built and engines start)
+            raise ConfigError(f"cannot resume: {found} was written by {state.get('world_size', 1)} processes, "
+                              f"this run has {world}; the data order per step would differ")
     if ranks_of(cfg).main and (out / RUN_LOCK).is_file():
         # (a probe, released at once, and rank 0's only: the run's rank 0 takes it for real, and
         # other ranks probing while it holds it refused their own launch)

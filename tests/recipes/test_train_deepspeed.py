@@ -87,3 +87,32 @@ def test_deepspeed_bf16_tied_model_saves_tied(base_overrides, tmp_path):
     assert "lm_head.weight" not in sd or torch.equal(sd["lm_head.weight"], emb)
     m = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
     assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.slow  # DeepSpeed's start-up
+def test_deepspeed_resume_refuses_changed_optimizer_settings(base_overrides, tmp_path):
+    """DeepSpeed restores weight decay, betas and eps from its checkpoint: changed on resume they
+    were silently not applied (review). They are refused; the same settings resume."""
+    from lazytrain.cli.config import ConfigError
+    from lazytrain.integrations.deepspeed import check_available
+    msg = check_available()
+    if msg:
+        pytest.skip(msg)
+    out = tmp_path / "r"
+    ov = [*base_overrides, "engine=deepspeed", "job.max_steps=3", "save_every=0", f"output_dir={out}"]
+    run(load_config([*ov, "stop_at_step=1"], config_name="train"), out, echo=lambda *_: None)
+    with pytest.raises(ConfigError, match="optimizer_settings"):
+        run(load_config([*ov, "resume=true", "optim.weight_decay=0.5"], config_name="train"), out,
+            echo=lambda *_: None)
+    run(load_config([*ov, "resume=true"], config_name="train"), out, echo=lambda *_: None)
+
+
+def test_only_deepspeed_checkpoints_record_the_optimizer_settings(base_overrides):
+    from lazytrain.recipes.train import job_identity, preflight
+
+    for engine, has in (("torch", False), ("deepspeed", True)):
+        cfg = load_config([*base_overrides, f"engine={engine}"], config_name="train")
+        pre = preflight(cfg) if engine == "torch" else pre
+        ident = job_identity(cfg, pre.dataset, pre)
+        assert ("optimizer_settings" in ident) == has
+    assert ident["optimizer_settings"] == {"weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
