@@ -30,6 +30,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+            value = int(value)   # (1e8: DeepSpeed reads sizes such as aio.block_size as they are)
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvme_dir is None and uses_nvme(cfg):
         print(f"note: NVMe offload writes to {default_nvme_dir()} (the default); --nvme-dir DIR puts it "
               f"on the drive you mean")
+    if "gradient_clipping" not in cfg:   # (the plan clips, but its threshold is the recipe's setting)
+        print("note: DeepSpeed clips at its default gradient_clipping=1.0 (lazytrain train's "
+              "optim.max_grad_norm default); --set gradient_clipping=X for the threshold your run uses")
     if dropped:
         print(f"{len(dropped)} plan decision(s) DeepSpeed cannot express:")
         for line in dropped:

@@ -56,3 +56,22 @@ def test_bad_inputs_give_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(inf), "--out", str(tmp_path / "o.json")]) == 2
     assert "infeasible" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_export_writes_whole_sizes_and_says_how_it_clips(tmp_path, capsys):
+    """`--set aio.block_size=1e6` was written as 1000000.0 (DeepSpeed reads aio sizes as they are),
+    and a clipping plan's export left DeepSpeed's 1.0 default unsaid."""
+    from lazytrain.spec import JobSpec
+
+    src = tmp_path / "plan.json"
+    src.write_text(make_plan(job=JobSpec(batch_size=1, seq_len=64, clip_grad=True)).to_json())
+    out = tmp_path / "ds.json"
+    assert main([str(src), "--out", str(out), "--set", "aio.block_size=1e6",
+                 "--set", "zero_optimization.sub_group_size=1e8", "--set", "x.frac=0.5"]) == 0
+    cfg = json.loads(out.read_text())
+    assert cfg["aio"]["block_size"] == 1000000 and isinstance(cfg["aio"]["block_size"], int)
+    assert isinstance(cfg["zero_optimization"]["sub_group_size"], int) and cfg["x"]["frac"] == 0.5
+    text = capsys.readouterr().out
+    assert "gradient_clipping" not in cfg and "DeepSpeed clips at its default gradient_clipping=1.0" in text
+    assert main([str(src), "--out", str(out), "--set", "gradient_clipping=0.5"]) == 0
+    assert "clips at its default" not in capsys.readouterr().out
