@@ -656,7 +656,9 @@ def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:
         state = ckpt.read_state(found)
         check_resumable(state, cfg, pre.dataset, pre)
         world = ranks_of(cfg).world
-        if int(state.get("world_size", 1)) != world:   # (said before the model is built and engines start)
+        # (said before the model is built and engines start; only where the launcher set WORLD_SIZE:
+        # one that starts the process group itself, MPI or srun, is checked in resume_state)
+        if os.environ.get("WORLD_SIZE") and int(state.get("world_size", 1)) != world:
             raise ConfigError(f"cannot resume: {found} was written by {state.get('world_size', 1)} processes, "
                               f"this run has {world}; the data order per step would differ")
     if ranks_of(cfg).main and (out / RUN_LOCK).is_file():
