@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..integrations.ds_config import default_nvme_dir, ds_config_from_plan, uses_nvme
+from ..integrations.ds_config import default_nvme_dir, ds_config_from_plan, uses_nvme, whole
 from ..plan.plan import Plan
 
 
@@ -30,8 +30,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
-            value = int(value)   # (1e8: DeepSpeed reads sizes such as aio.block_size as they are)
+        value = whole(value)   # (1e8: DeepSpeed reads sizes such as aio.block_size as they are)
         node = out
         *parents, leaf = key.split(".")
         for p in parents:

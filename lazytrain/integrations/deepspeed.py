@@ -208,9 +208,9 @@ class DeepSpeedTrainer:
         for k, (x, y) in enumerate(micro_batches):
             out = self.engine(input_ids=x.to(dev), labels=y.to(dev))
             w = 1.0 if weights is None else float(weights[k])
-            self.engine.backward(out.loss if w == 1.0 else out.loss * w)   # DeepSpeed scales by 1/gas itself
+            self.engine.backward(out.loss * w)   # DeepSpeed scales by 1/gas itself
             self.engine.step()                   # applies the update at the accumulation boundary
-            total += float(out.loss.detach()) * w if w != 1.0 else float(out.loss.detach())
+            total += float(out.loss.detach()) * w
             tokens += int(x.numel())
         gn = self.engine.get_global_grad_norm()
         gn = None if gn is None else float(gn)

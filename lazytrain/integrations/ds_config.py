@@ -79,6 +79,12 @@ def _ranges(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 6 else ", ".join(names[:5]) + f", ... ({len(names)} layers)"
 
 
+def whole(v):
+    """A whole number written as a float (`2e8`, as YAML and JSON read it) as an int: DeepSpeed
+    reads some sizes (aio.block_size) as they are; anything else unchanged."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) >= 1 else v
+
+
 def deep_merge(base: dict, over: Mapping[str, Any]) -> dict:
     for k, v in over.items():
         if isinstance(v, Mapping) and isinstance(base.get(k), dict):

@@ -12,9 +12,10 @@ With the grouped_mm and batched_mm kernels the views are the pool's ([slots, ...
 span of the routed slots) and expert ids are remapped to slot ids: the kernel reads the routed slots
 in place and no expert weight is copied (grouped_mm, which visits every slot of the span, gathers
 instead when the span is mostly other slots: see _proxy). Both kernels sum a token's top-k outputs
-by position, so the order of the groups (slot order, not expert order) does not change a bit. The eager kernel adds each
-expert's output in the loop's order (expert order), so it gets the routed experts gathered into
-contiguous [n_routed, ...] tensors under ids 0..n-1 (sorted: the same order).
+by position, so the order of the groups (slot order, not expert order) does not change a bit.
+The eager kernel adds each expert's output in the loop's order (expert order), so it gets the
+routed experts gathered into contiguous [n_routed, ...] tensors under ids 0..n-1 (sorted: the same
+order).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ..cli.config import ConfigError
-from ..integrations.ds_config import deep_merge, ds_config_from_plan, uses_nvme
+from ..integrations.ds_config import deep_merge, ds_config_from_plan, uses_nvme, whole
 from ..plan.plan import Plan
 from .engines import EngineUnavailable
 
@@ -54,9 +54,7 @@ def _ds_clean(node: Any) -> Any:
         return out
     if isinstance(node, list):
         return [_ds_clean(v) for v in node]
-    if isinstance(node, float) and node.is_integer() and abs(node) >= 1:
-        return int(node)
-    return node
+    return whole(node)
 
 
 def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:

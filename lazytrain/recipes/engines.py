@@ -115,8 +115,8 @@ class TorchEngine:
             with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
                 loss = self.model(input_ids=x, labels=y).loss
             w = 1.0 if weights is None else float(weights[k])   # (see StreamingExecutor.train_step)
-            (loss / n if w == 1.0 else loss * w / n).backward()
-            total += float(loss.detach()) * w if w != 1.0 else float(loss.detach())
+            (loss * w / n).backward()   # (w = 1: x * 1.0 is x, the plain mean bit for bit)
+            total += float(loss.detach()) * w
             tokens += x.numel()
         # optim.max_grad_norm=null: no clipping and no norm, so a non-finite gradient is applied,
         # as by torch's AdamW and the streaming executor (configs/train.yaml); inf: no clipping,

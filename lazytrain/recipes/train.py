@@ -455,7 +455,7 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
     if last is None:
         echo(f"resume=true: no checkpoint in {ckpt_root}; starting at step 0")
         return 0, 0
-    check_resumable(ckpt.read_state(last), cfg, ds, pre)
+    # (check_output_dir, at the start of _run, found the checkpoint this job's)
     state, tensors = ckpt.load_checkpoint(last, rank=ranks.rank)
     if int(state.get("world_size", 1)) != ranks.world:
         raise ConfigError(f"cannot resume: {last} was written by {state.get('world_size', 1)} processes, "
@@ -687,8 +687,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         refinish = done == max_steps and cfg.save_final_model and not (out / "final").exists()
         if done >= min(max_steps, stop_at) and not refinish:
             # Nothing to train (e.g. a finished run resumed again): its outputs stay as they are,
-            # summary.json and trace.jsonl with them; the checkpoint must still be this job's.
-            check_resumable(state, cfg, pre.dataset, pre)
+            # summary.json and trace.jsonl with them (check_output_dir found it this job's).
             summary = {"steps": 0, "start_step": done, "end_step": done, "output_dir": str(out),
                        "engine": str(cfg.engine), "max_steps": max_steps,
                        "stop_at_step": stop_at if stop_at < max_steps else None}

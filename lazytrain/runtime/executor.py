@@ -534,8 +534,8 @@ class StreamingExecutor:
                     loss = loss + ra.coef * aux.to(loss.device)
             if not mb["recomputing"]:
                 mb["loss"] = loss.detach()
-            # (a weight of 1, every micro-batch learning as many tokens: the plain mean, bit for bit)
-            return loss / mb["n"] if mb["weight"] == 1.0 else loss * mb["weight"] / mb["n"]
+            # (a weight of 1, every micro-batch learning as many tokens: x * 1.0 is x, the plain mean bit for bit)
+            return loss * mb["weight"] / mb["n"]
         block = self.parts.blocks[i - 1]
         if ra is None or not ra.routers[i - 1]:
             return run_block(block, x, mb["kw"][i - 1])
@@ -932,7 +932,7 @@ class StreamingExecutor:
             for k, (ids, labels) in enumerate(micro_batches):
                 w = 1.0 if weights is None else float(weights[k])
                 loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1, w)
-                losses.append(loss if w == 1.0 else loss * w)
+                losses.append(loss * w)
                 if aux is not None:
                     auxes.append(aux)
                 tokens += ids.numel()
