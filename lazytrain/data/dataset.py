@@ -10,6 +10,10 @@ boundary is exact), packed as prompt + completion + EOS, and only completion and
 learned: prompt positions get label -100, which the loss ignores. Sequences with nothing to learn
 (e.g. all prompt) are dropped.
 
+Chat data: with `messages_field` set, each JSONL row holds a list of {"role", "content"} messages,
+rendered with the tokenizer's chat template (`apply_chat_template`); only the assistant messages'
+tokens (with the template's end-of-turn tokens) are learned (`tokenize_chats`).
+
 Order: epoch e visits the sequences in `randperm(n, seed + e)` order, so the whole stream is a pure
 function of (files, tokenizer, seq_len, seed) and a single integer — the number of sequences already
 consumed — is the data position a checkpoint saves to resume exactly.
@@ -57,6 +61,25 @@ def load_tokenizer(tokenizer_dir: str | Path):
         raise DataError(f"cannot load the tokenizer in {p}: {str(e).splitlines()[0]}") from None
 
 
+def read_chat_template(path: Path) -> str:
+    """A Jinja chat template from a file (data.chat_template), checked to parse."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"data.chat_template={path}: no such file (a Jinja chat template, e.g. an "
+                        f"instruct model's chat_template.jinja)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.chat_template={path}: cannot read it ({e})") from None
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:   # compiled as apply_chat_template does (its sandbox and the {% generation %} tag)
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(f"data.chat_template={path}:{e.lineno}: not a valid Jinja template ({e.message})") from None
+    return text
+
+
 def is_jsonl(path: Path) -> bool:
     """Whether `path` is read as JSONL (one document per line) rather than as one text document."""
     return path.suffix.lower() in JSONL_SUFFIXES
@@ -100,7 +123,7 @@ def _field_text(path: Path, lineno: int | str, field: str, key: str, value) -> s
     its str() would be trained on as Python's repr (a chat-style "messages" list as
     "[{'role': ...}]"), and a string holding a lone UTF-16 surrogate (JSON's "\\ud83d", half an
     emoji, in scraped data) fails inside the tokenizer with no file or line named."""
-    at = f":{lineno}" if isinstance(lineno, int) else lineno   # a line number, or "[k]" in an array
+    at = f":{lineno}" if isinstance(lineno, int) else lineno   # a line (":7"), or "[k]" in an array
     if value is None:
         return ""
     if not isinstance(value, str):
@@ -119,7 +142,7 @@ def _field_text(path: Path, lineno: int | str, field: str, key: str, value) -> s
 def _chat_hint(obj) -> str:
     """For a chat-style row (a "messages" list), which data.text_field cannot name as text."""
     if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-        return "; this is a chat row ('messages'): chat rows are not supported, render them to text first"
+        return "; this is a chat row ('messages'): set data.messages_field=messages"
     return ""
 
 
@@ -133,12 +156,10 @@ def _starts_with_array(path: Path) -> bool:
     return False
 
 
-def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
-    """The values of `fields` (field -> the config key that names it) in each row of a JSONL file;
-    a null value reads as empty text, a value that is not a string is an error (`_field_text`).
-    Lines are decoded one by one so a bad byte is reported with its line. A file that holds one JSON
-    array of rows (a `.json` export, what `json.dump(rows, f)` writes) is read as those rows, each
-    named by its index in errors."""
+def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
+    """(where, row) for each row of a JSONL file, `where` being ":LINE" (or "[k]" for the k-th row
+    of a file that holds one JSON array, what `json.dump(rows, f)` writes, a `.json` export). Lines
+    are decoded one by one so a bad byte is reported with its line; blank lines are skipped."""
     if _starts_with_array(path):
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
@@ -147,11 +168,7 @@ def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
         for k, obj in enumerate(rows):
-            where = f"[{k}]"
-            for field, key in fields.items():
-                if not isinstance(obj, dict) or field not in obj:
-                    raise DataError(f"{path}{where}: no {field!r} field (set {key})" + _chat_hint(obj))
-            yield tuple(_field_text(path, where, field, key, obj[field]) for field, key in fields.items())
+            yield f"[{k}]", obj
         return
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -163,13 +180,20 @@ def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield f":{lineno}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            for field, key in fields.items():
-                if not isinstance(obj, dict) or field not in obj:
-                    raise DataError(f"{path}:{lineno}: no {field!r} field (set {key})" + _chat_hint(obj))
-            yield tuple(_field_text(path, lineno, field, key, obj[field]) for field, key in fields.items())
+
+
+def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
+    """The values of `fields` (field -> the config key that names it) in each row of a JSONL file
+    (`_json_objects`); a null value reads as empty text, a value that is not a string is an error
+    (`_field_text`)."""
+    for where, obj in _json_objects(path):
+        for field, key in fields.items():
+            if not isinstance(obj, dict) or field not in obj:
+                raise DataError(f"{path}{where}: no {field!r} field (set {key})" + _chat_hint(obj))
+        yield tuple(_field_text(path, where, field, key, obj[field]) for field, key in fields.items())
 
 
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
@@ -211,6 +235,101 @@ def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
             c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
             ids += p + c
             learn += [False] * len(p) + [True] * len(c)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(learn, dtype=torch.bool)
+
+
+def read_chats(path: Path, messages_field: str) -> Iterator[tuple[str, list[dict]]]:
+    """(where, messages) for each chat row of a JSONL file: `messages_field` holds a list of
+    message objects, each with a string "role" and a string (or null) "content"; other keys
+    (tool calls, names) are passed to the chat template as they are."""
+    if not is_jsonl(path):
+        raise DataError(f"{path}: chat data (data.messages_field={messages_field!r}) must be JSONL rows "
+                        f"with a {messages_field!r} list")
+    for where, obj in _json_objects(path):
+        if not isinstance(obj, dict) or messages_field not in obj:
+            raise DataError(f"{path}{where}: no {messages_field!r} field (set data.messages_field)")
+        msgs = obj[messages_field]
+        if not isinstance(msgs, list):
+            what = _JSON_TYPES.get(type(msgs), type(msgs).__name__)
+            raise DataError(f"{path}{where}: field {messages_field!r} is {what}, not a list of messages")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise DataError(f"{path}{where}: message {j} is not an object with a string 'role' "
+                                f"(chat rows are lists of {{\"role\": ..., \"content\": ...}})")
+            c = m.get("content")
+            if c is not None and not isinstance(c, str):
+                what = _JSON_TYPES.get(type(c), type(c).__name__)
+                raise DataError(f"{path}{where}: message {j}'s content is {what}, not a string (content "
+                                f"parts, e.g. images, are not supported: join text parts into one string)")
+            if c is not None:   # a lone UTF-16 surrogate is an error naming the row
+                _field_text(path, f"{where} message {j}", "content", "data.messages_field", c)
+        yield where, msgs
+
+
+def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat rows rendered with the tokenizer's chat template, as one token stream and a bool mask
+    of the tokens to learn: each assistant message's tokens, from the end of the generation prompt
+    before it (`add_generation_prompt=True` on the messages before it) to the end of its rendering
+    (its content and the template's end-of-turn tokens). System, user and tool messages and the
+    template's framing get label -100.
+
+    The spans are found by rendering each conversation's prefixes, which must render as prefixes
+    of the whole conversation, in text and in tokens; a template that rewrites earlier turns
+    (Qwen3's drops their reasoning) is refused for that row, with what to do. Conversations are
+    packed as rendered (the template frames each one; no EOS is added); rows without an assistant
+    message teach nothing and are skipped."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the tokenizer has no chat template (chat_template in tokenizer_config.json); "
+                        "set data.chat_template=FILE (a Jinja chat template) or use an instruct model's "
+                        "tokenizer")
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids: list[int] = []
+    learn: list[bool] = []
+    skipped = 0
+    for path in files:
+        for where, msgs in read_chats(path, messages_field):
+            turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+            if not turns:
+                skipped += 1
+                continue
+
+            def render(upto: int, generation_prompt: bool) -> str:
+                try:
+                    out = tokenizer.apply_chat_template(msgs[:upto], tokenize=False,
+                                                        add_generation_prompt=generation_prompt)
+                except Exception as e:  # noqa: BLE001 - jinja's raise_exception and template bugs
+                    raise DataError(f"{path}{where}: the chat template refused the conversation "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                if not isinstance(out, str):
+                    raise DataError(f"{path}{where}: the chat template rendered {type(out).__name__}, not text")
+                return out
+
+            full = render(len(msgs), False)
+            row = enc(full)
+            mask = [False] * len(row)
+            for i in turns:
+                before, through = render(i, True), render(i + 1, False)
+                if not (through.startswith(before) and full.startswith(through)):
+                    raise DataError(
+                        f"{path}{where}: the chat template renders message {i} (assistant) differently "
+                        f"once later messages follow it (templates that drop earlier turns' reasoning "
+                        f"do this), so its tokens cannot be marked; put one assistant turn per row, or "
+                        f"set data.chat_template=FILE to a template that renders earlier turns unchanged")
+                a, b = enc(before), enc(through)
+                if b[:len(a)] != a or row[:len(b)] != b:
+                    raise DataError(
+                        f"{path}{where}: message {i} (assistant) does not start or end on a token "
+                        f"boundary of the rendered conversation (the template joins it to its "
+                        f"neighbours without a special token); set data.chat_template=FILE to a template "
+                        f"that separates turns with special tokens")
+                mask[len(a):len(b)] = [True] * (len(b) - len(a))
+            ids += row
+            learn += mask
+    if skipped:
+        log.warning("skipped %d chat row(s) without an assistant message (nothing to learn)", skipped)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(learn, dtype=torch.bool)
 
 
@@ -373,7 +492,8 @@ def _tokenizer_files(tokenizer) -> list[tuple[str, bytes]]:
                 for f in sorted(Path(d).rglob("*")) if f.is_file()]
 
 
-def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: str | None) -> str:
+def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: str | None,
+               messages_field: str | None = None) -> str:
     """A hash of everything the cached tokens depend on, every part length-prefixed so that moving
     bytes between parts (text from one file to the next, which moves an EOS) changes it. Each file
     counts by its parse mode and bytes, not its path, so a moved corpus keeps its cache; the
@@ -392,7 +512,9 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
     for name, content in _tokenizer_files(tokenizer):
         put(name.encode())
         put(content)
-    put(json.dumps([tokenizer.eos_token_id, text_field, prompt_field]).encode())
+    fields = [tokenizer.eos_token_id, text_field, prompt_field]
+    # (the chat template is part of the tokenizer's files; the key of other data is as before)
+    put(json.dumps(fields + [messages_field] if messages_field else fields).encode())
     for p in paths:
         put(b"jsonl" if is_jsonl(p) else b"text")
         put(p.read_bytes())
@@ -439,25 +561,33 @@ def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
 
 def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: int = 0,
                   text_field: str = "text", cache_dir: str | Path | None = None,
-                  prompt_field: str | None = None) -> PackedDataset:
+                  prompt_field: str | None = None, messages_field: str | None = None) -> PackedDataset:
     """Tokenize (or load the cached tokens of) `files` and pack them into `seq_len` sequences.
 
     `prompt_field`: JSONL prompt/completion rows, learning only the completions (module doc).
+    `messages_field`: JSONL chat rows, learning only the assistant messages (`tokenize_chats`).
     `cache_dir`: the token streams are cached there as safetensors, keyed by `_cache_key`.
     """
+    if prompt_field and messages_field:
+        raise DataError(f"data.prompt_field={prompt_field!r} and data.messages_field={messages_field!r} are "
+                        f"both set: rows are either prompt/completion pairs or chats; unset one")
     paths = expand_files(files)
+    masked = bool(prompt_field or messages_field)
     data = None
     cache_path = None
     if cache_dir is not None:
-        key = _cache_key(paths, tokenizer, text_field, prompt_field)
+        key = _cache_key(paths, tokenizer, text_field, prompt_field, messages_field)
         cache_path = Path(cache_dir) / f"tokens-{key}.safetensors"
-        data = _read_cache(cache_path, {"tokens"} if prompt_field is None else {"tokens", "learn"})
+        data = _read_cache(cache_path, {"tokens", "learn"} if masked else {"tokens"})
     if data is None:
-        if prompt_field is None:
-            data = {"tokens": tokenize_files(paths, tokenizer, text_field)}
-        else:
+        if messages_field:
+            tokens, learn = tokenize_chats(paths, tokenizer, messages_field)
+            data = {"tokens": tokens, "learn": learn}
+        elif prompt_field:
             tokens, learn = tokenize_pairs(paths, tokenizer, prompt_field, text_field)
             data = {"tokens": tokens, "learn": learn}
+        else:
+            data = {"tokens": tokenize_files(paths, tokenizer, text_field)}
         if cache_path is not None:
             from safetensors.torch import save_file
             cache_path.parent.mkdir(parents=True, exist_ok=True)
@@ -466,6 +596,10 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
             share_like_umask(tmp)   # safetensors writes its files 0600 (storage/filemode.py)
             tmp.replace(cache_path)
     tokens = data["tokens"]
+    if tokens.numel() == 0 and messages_field:
+        raise DataError(f"no chat row has an assistant message to learn (data.messages_field="
+                        f"{messages_field!r}, files {', '.join(str(p) for p in paths[:3])}"
+                        f"{', ...' if len(paths) > 3 else ''})")
     if tokens.numel() == 0:
         raise DataError(f"the data files ({', '.join(str(p) for p in paths[:3])}"
                         f"{', ...' if len(paths) > 3 else ''}) hold no text")

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
 from ..cli.config import ConfigError, check_bool_settings, hardware_spec, model_spec, planner_options
-from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer
+from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -224,11 +224,16 @@ def preflight(cfg: DictConfig) -> Preflight:
                f"built from its config)")
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{mspec.vocab_size}; {fix}")
+    template = cfg.data.get("chat_template")
+    if template:
+        tokenizer.chat_template = read_chat_template(Path(str(template)).expanduser())
     cache = cfg.data.get("cache_dir")
     prompt_field = cfg.data.get("prompt_field")
+    messages_field = cfg.data.get("messages_field")
     ds = build_dataset(files, tokenizer, job.seq_len, seed=int(cfg.seed), text_field=str(cfg.data.text_field),
                        cache_dir=Path(str(cache)).expanduser() if cache else None,
-                       prompt_field=str(prompt_field) if prompt_field else None)
+                       prompt_field=str(prompt_field) if prompt_field else None,
+                       messages_field=str(messages_field) if messages_field else None)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
