@@ -1,7 +1,8 @@
 """Packed token datasets from local text / JSONL files, in a deterministic, resumable order.
 
-Every document is tokenized, followed by the tokenizer's EOS, and the documents are concatenated and
-cut into sequences of `seq_len` tokens (the tail that does not fill a sequence is dropped).
+Every document is tokenized, followed by the tokenizer's EOS (and preceded by its BOS where the
+tokenizer adds one itself, `bos_for`), and the documents are concatenated and cut into sequences of
+`seq_len` tokens (the tail that does not fill a sequence is dropped).
 Labels equal input_ids (Hugging Face convention: the causal LM shifts them internally).
 
 Prompt/completion data (supervised fine-tuning): with `prompt_field` set, each JSONL row gives a
@@ -220,8 +221,9 @@ def read_pairs(path: Path, prompt_field: str, text_field: str) -> Iterator[tuple
 
 
 def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
-                   text_field: str = "text") -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt/completion rows as one token stream and a bool mask of the tokens to learn."""
+                   text_field: str = "text", bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt/completion rows as one token stream and a bool mask of the tokens to learn; `bos`:
+    a token put before each row (not learned)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no eos_token; documents cannot be separated")
@@ -232,6 +234,8 @@ def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
             if not completion.strip():
                 continue
             p = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            if bos is not None:
+                p = [bos] + p
             c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
             ids += p + c
             learn += [False] * len(p) + [True] * len(c)
@@ -333,6 +337,23 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tup
     return torch.tensor(ids, dtype=torch.long), torch.tensor(learn, dtype=torch.bool)
 
 
+def bos_for(tokenizer, add_bos: bool | str = "auto") -> int | None:
+    """The token to put before each document (data.add_bos), or None. "auto": the tokenizer's BOS
+    if it adds one itself when encoding text (Llama, Mistral, Gemma: what the model sees at
+    inference), else none (GPT-2 and Qwen style tokenizers, the built-in demo one)."""
+    if isinstance(add_bos, str):
+        v = add_bos.strip().lower()
+        if v not in ("auto", "true", "false"):
+            raise DataError(f"data.add_bos={add_bos!r}: use auto, true or false")
+        add_bos = v if v == "auto" else v == "true"
+    bos = tokenizer.bos_token_id
+    if add_bos == "auto":
+        return bos if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else None
+    if add_bos and bos is None:
+        raise DataError("data.add_bos=true, but the tokenizer has no bos_token; set data.add_bos=false")
+    return bos if add_bos else None
+
+
 def _exact_cut(tokenizer, doc: str, start: int, end: int, tries: int = 4,
                window: int = 256) -> int | None:
     """A cut just after one of the last `tries` line breaks in doc[start:end] (the latest that
@@ -372,8 +393,9 @@ def _pieces(tokenizer, doc: str, chunk_chars: int) -> Iterator[str]:
 
 
 def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
-                   chunk_chars: int = 1 << 16) -> torch.Tensor:
-    """All documents as one 1-D int64 token stream, EOS after each document."""
+                   chunk_chars: int = 1 << 16, bos: int | None = None) -> torch.Tensor:
+    """All documents as one 1-D int64 token stream, EOS after each document (and `bos`, when
+    given, before it)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no eos_token; documents cannot be separated")
@@ -382,6 +404,8 @@ def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
         for doc in read_documents(path, text_field):
             if not doc.strip():
                 continue
+            if bos is not None:
+                ids.append(bos)
             for piece in _pieces(tokenizer, doc, chunk_chars):
                 ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
             ids.append(eos)
@@ -493,7 +517,7 @@ def _tokenizer_files(tokenizer) -> list[tuple[str, bytes]]:
 
 
 def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: str | None,
-               messages_field: str | None = None) -> str:
+               messages_field: str | None = None, bos: int | None = None) -> str:
     """A hash of everything the cached tokens depend on, every part length-prefixed so that moving
     bytes between parts (text from one file to the next, which moves an EOS) changes it. Each file
     counts by its parse mode and bytes, not its path, so a moved corpus keeps its cache; the
@@ -513,8 +537,10 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
         put(name.encode())
         put(content)
     fields = [tokenizer.eos_token_id, text_field, prompt_field]
-    # (the chat template is part of the tokenizer's files; the key of other data is as before)
-    put(json.dumps(fields + [messages_field] if messages_field else fields).encode())
+    # (the chat template is part of the tokenizer's files; the key of data read as before is unchanged)
+    if messages_field or bos is not None:
+        fields += [messages_field, bos]
+    put(json.dumps(fields).encode())
     for p in paths:
         put(b"jsonl" if is_jsonl(p) else b"text")
         put(p.read_bytes())
@@ -561,22 +587,26 @@ def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
 
 def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: int = 0,
                   text_field: str = "text", cache_dir: str | Path | None = None,
-                  prompt_field: str | None = None, messages_field: str | None = None) -> PackedDataset:
+                  prompt_field: str | None = None, messages_field: str | None = None,
+                  add_bos: bool | str = "auto") -> PackedDataset:
     """Tokenize (or load the cached tokens of) `files` and pack them into `seq_len` sequences.
 
     `prompt_field`: JSONL prompt/completion rows, learning only the completions (module doc).
     `messages_field`: JSONL chat rows, learning only the assistant messages (`tokenize_chats`).
+    `add_bos`: put the tokenizer's BOS before each text document or prompt/completion row: True,
+    False, or "auto" (as the tokenizer does itself, `bos_for`); chat rows get theirs from the template.
     `cache_dir`: the token streams are cached there as safetensors, keyed by `_cache_key`.
     """
     if prompt_field and messages_field:
         raise DataError(f"data.prompt_field={prompt_field!r} and data.messages_field={messages_field!r} are "
                         f"both set: rows are either prompt/completion pairs or chats; unset one")
     paths = expand_files(files)
+    bos = None if messages_field else bos_for(tokenizer, add_bos)
     masked = bool(prompt_field or messages_field)
     data = None
     cache_path = None
     if cache_dir is not None:
-        key = _cache_key(paths, tokenizer, text_field, prompt_field, messages_field)
+        key = _cache_key(paths, tokenizer, text_field, prompt_field, messages_field, bos)
         cache_path = Path(cache_dir) / f"tokens-{key}.safetensors"
         data = _read_cache(cache_path, {"tokens", "learn"} if masked else {"tokens"})
     if data is None:
@@ -584,10 +614,10 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
             tokens, learn = tokenize_chats(paths, tokenizer, messages_field)
             data = {"tokens": tokens, "learn": learn}
         elif prompt_field:
-            tokens, learn = tokenize_pairs(paths, tokenizer, prompt_field, text_field)
+            tokens, learn = tokenize_pairs(paths, tokenizer, prompt_field, text_field, bos)
             data = {"tokens": tokens, "learn": learn}
         else:
-            data = {"tokens": tokenize_files(paths, tokenizer, text_field)}
+            data = {"tokens": tokenize_files(paths, tokenizer, text_field, bos=bos)}
         if cache_path is not None:
             from safetensors.torch import save_file
             cache_path.parent.mkdir(parents=True, exist_ok=True)

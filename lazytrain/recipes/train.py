@@ -233,7 +233,8 @@ def preflight(cfg: DictConfig) -> Preflight:
     ds = build_dataset(files, tokenizer, job.seq_len, seed=int(cfg.seed), text_field=str(cfg.data.text_field),
                        cache_dir=Path(str(cache)).expanduser() if cache else None,
                        prompt_field=str(prompt_field) if prompt_field else None,
-                       messages_field=str(messages_field) if messages_field else None)
+                       messages_field=str(messages_field) if messages_field else None,
+                       add_bos=cfg.data.get("add_bos", "auto"))
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
