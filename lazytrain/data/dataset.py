@@ -496,6 +496,36 @@ class PackedDataset:
             return Batch(input_ids=x, labels=x.clone())
         return Batch(input_ids=x, labels=torch.where(self.learn[idx], x, torch.full_like(x, -100)))
 
+    @classmethod
+    def _of(cls, sequences: torch.Tensor, learn: torch.Tensor | None, seed: int) -> "PackedDataset":
+        ds = cls.__new__(cls)
+        ds.seq_len, ds.seed, ds.sequences, ds.learn = sequences.shape[1], seed, sequences, learn
+        ds._perm_epoch, ds._perm, ds._fingerprint = -1, torch.empty(0, dtype=torch.long), None
+        return ds
+
+    def split_off(self, fraction: float) -> tuple["PackedDataset", "PackedDataset"]:
+        """(train, held out): the last `fraction` of the sequences (at least one), in stream order,
+        i.e. the end of the last files, held out of training (data.eval_fraction)."""
+        n = len(self)
+        k = max(1, round(n * fraction))
+        if k >= n:
+            raise DataError(f"data.eval_fraction={fraction} of {n} sequence(s) of seq_len={self.seq_len} "
+                            f"leaves none to train on; add data or lower it")
+        learn = (None, None) if self.learn is None else (self.learn[: n - k], self.learn[n - k:])
+        return (PackedDataset._of(self.sequences[: n - k], learn[0], self.seed),
+                PackedDataset._of(self.sequences[n - k:], learn[1], self.seed))
+
+    def ordered_batches(self, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
+        """Batches of the sequences in stream order (evaluation: the same batches every time; the
+        last may be shorter), at most `limit` of them."""
+        for k, start in enumerate(range(0, len(self), batch_size)):
+            if limit is not None and k >= limit:
+                return
+            x = self.sequences[start:start + batch_size]
+            y = x.clone() if self.learn is None else torch.where(
+                self.learn[start:start + batch_size], x, torch.full_like(x, -100))
+            yield Batch(input_ids=x, labels=y)
+
     def step_batches(self, position: int, batch_size: int, grad_accum: int) -> tuple[list[Batch], int]:
         """The micro-batches of one optimizer step and the position after it."""
         out = []

@@ -221,6 +221,20 @@ class DeepSpeedTrainer:
                                    step_time_s=time.perf_counter() - t0, device_peak_bytes=int(peak),
                                    tokens=tokens)
 
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """The model's mean language-model loss on one batch, no gradients, eval mode. Every rank
+        runs it (ZeRO-3 gathers each layer's parameters from all ranks)."""
+        from ..recipes.engines import lm_loss
+
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                dev = self.engine.device
+                return float(lm_loss(self.engine, input_ids.to(dev), labels.to(dev),
+                                     getattr(self.engine.module, "config", None)))
+        finally:
+            self.engine.train()
+
     # ---- checkpoints (DeepSpeed's own format: one dir per step + a `latest` file) ---------------
     def save_checkpoint(self, directory: str | os.PathLike, client_state: Mapping[str, Any] | None = None) -> None:
         self.engine.save_checkpoint(str(directory), client_state=dict(client_state or {}))

@@ -46,6 +46,7 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                    weights: Sequence[float] | None = None) -> StepStats: ...
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float: ...
     def set_lr(self, lr: float) -> None: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None: ...
@@ -67,6 +68,16 @@ def _stats(res: Any) -> StepStats:
 
 
 # ---- engine=torch: plain PyTorch ---------------------------------------------------------------
+
+def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+            config: Any = None) -> torch.Tensor:
+    """`model(input_ids, labels=labels).loss` without a MoE router's auxiliary loss (which a config
+    with output_router_logits adds to it): the language-model loss evaluation reports. `config`:
+    the HF config, when `model` is a wrapper (DeepSpeed's engine) that does not carry it."""
+    cfg = config if config is not None else getattr(model, "config", None)
+    extra = {"output_router_logits": False} if getattr(cfg, "output_router_logits", False) else {}
+    return model(input_ids=input_ids, labels=labels, **extra).loss
+
 
 class TorchEngine:
     """Plain autograd over the whole model in memory, AdamW, global-norm clipping."""
@@ -136,6 +147,15 @@ class TorchEngine:
                          step_time_s=time.perf_counter() - t0, device_peak_bytes=peak,
                          tokens=tokens)
 
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """The model's mean language-model loss on one batch, no gradients, eval mode (dropout off)."""
+        self.model.eval()
+        try:
+            with torch.no_grad(), torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
+                return float(lm_loss(self.model, input_ids.to(self.device), labels.to(self.device)))
+        finally:
+            self.model.train()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         # Keyed by parameter name (not index) so a checkpoint survives reordering.
         out: dict[str, torch.Tensor] = {}
@@ -189,6 +209,9 @@ class StreamingEngine:
 
     def train_step(self, micro_batches, weights=None):
         return _stats(self.ex.train_step(list(micro_batches), weights))
+
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        return self.ex.eval_loss(input_ids, labels)
 
     def set_lr(self, lr: float) -> None:
         # Updates of the previous step may still be queued (on CUDA they overlap the next
@@ -246,6 +269,9 @@ class DeepSpeedEngine:
     @property
     def model(self) -> torch.nn.Module:
         return getattr(self.tr, "model", self._model)
+
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        return float(self.tr.eval_loss(input_ids, labels))
 
     def train_step(self, micro_batches, weights=None):
         t0 = time.perf_counter()

@@ -114,6 +114,7 @@ class Preflight:
     dataset: PackedDataset
     notes: list[str] = field(default_factory=list)
     ds_overrides: dict[str, Any] = field(default_factory=dict)   # engine=deepspeed: the user's settings
+    eval_dataset: PackedDataset | None = None   # data.eval_files / data.eval_fraction
 
 
 def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
@@ -235,6 +236,7 @@ def preflight(cfg: DictConfig) -> Preflight:
                        prompt_field=str(prompt_field) if prompt_field else None,
                        messages_field=str(messages_field) if messages_field else None,
                        add_bos=cfg.data.get("add_bos", "auto"))
+    ds, eval_ds = eval_split(cfg, ds, tokenizer, job.seq_len)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
@@ -249,7 +251,40 @@ def preflight(cfg: DictConfig) -> Preflight:
         except StorageError as e:
             raise StorageError(f"{e} (storage.nvme_dir defaults to <output_dir>/nvme; set "
                                f"storage.nvme_dir=DIR on a larger disk)") from None
-    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes, ds_over)
+    return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes, ds_over, eval_ds)
+
+
+def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
+               ) -> tuple[PackedDataset, PackedDataset | None]:
+    """(training data, evaluation data or None): data.eval_files, read as the training files are,
+    or the last data.eval_fraction of the training sequences, held out."""
+    d = cfg.data
+    files, frac = list(d.get("eval_files") or []), d.get("eval_fraction") or 0
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+        raise ConfigError(f"data.eval_fraction must be a number in [0, 1), got {frac!r}")
+    if files and frac:
+        raise ConfigError("data.eval_files and data.eval_fraction are both set; evaluate on one of them")
+    if frac:
+        return ds.split_off(float(frac))
+    if not files:
+        return ds, None
+    cache = d.get("cache_dir")
+    fields = {k: str(d.get(k)) if d.get(k) else None for k in ("prompt_field", "messages_field")}
+    return ds, build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
+                             cache_dir=Path(str(cache)).expanduser() if cache else None,
+                             add_bos=d.get("add_bos", "auto"), **fields)
+
+
+def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) -> float:
+    """Mean loss over every learned token of the evaluation batches (each batch's mean weighted by
+    its learned tokens), with the engine's current weights."""
+    total, count = 0.0, 0
+    for b in data.ordered_batches(batch_size, limit):
+        n = int((b.labels[:, 1:] != -100).sum())   # (the model shifts the labels)
+        if n:
+            total += engine.eval_loss(b.input_ids, b.labels) * n
+            count += n
+    return total / count if count else float("nan")
 
 
 def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> None:
@@ -304,6 +339,8 @@ def run_settings(cfg: DictConfig) -> None:
     whole("stop_at_step", 1, "a step >= 1, or null (no planned stop)", allow_null=True)
     whole("keep_checkpoints", 1, "a whole number >= 1")
     whole("log_every", 1, "a whole number >= 1")
+    whole("eval_every", 0, "a whole number >= 0 (N: evaluate every N steps; 0: only at the end)")
+    whole("eval_batches", 1, "a whole number >= 1, or null (all of the evaluation data)", allow_null=True)
     out = cfg.get("output_dir")
     if out and Path(str(out)).expanduser().is_file():
         raise ConfigError(f"output_dir {out} is a file, not a directory")
@@ -526,6 +563,8 @@ class MetricsLog:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "device_peak_bytes", "step_time_s"):
                 if rec.get(k) is not None:
                     self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+            if rec.get("eval_loss") is not None:
+                self.tb.add_scalar("eval/loss", rec["eval_loss"], rec["step"])
 
     def close(self) -> None:
         self.f.close()
@@ -757,6 +796,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         trace_f = open(out / "trace.jsonl", "a")
     bar = _progress(max_steps, start_step, bool(cfg.progress) and ranks.main)
     history: list[StepStats] = []
+    eval_every = int(cfg.get("eval_every") or 0)
+    eval_limit = None if cfg.get("eval_batches") is None else int(cfg.eval_batches)
+    eval_losses: list[tuple[int, float]] = []
     t_run = time.perf_counter()
     step = start_step
     at.update(step=step, max_steps=max_steps)
@@ -799,13 +841,18 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                    "predicted_step_time_s": st.predicted_step_time_s or pre.plan.predicted.step_time_s,
                    "predicted_device_peak_bytes": st.predicted_device_peak_bytes
                    or int(pre.plan.predicted.peak_bytes.get("device", 0))}
+            if pre.eval_dataset is not None and (
+                    (eval_every and step % eval_every == 0) or step in (max_steps, stop_at)):
+                rec["eval_loss"] = evaluate(engine, pre.eval_dataset, job.batch_size, eval_limit)
+                eval_losses.append((step, rec["eval_loss"]))
             metrics.write(rec)
             if trace_f is not None:  # engines without their own trace: one compute event per step
                 trace_f.write(json.dumps({"op": "compute", "name": "step", "step": step,
                                           "start_s": t0, "end_s": t0 + st.step_time_s,
                                           "bytes": 0, "tier": "device"}) + "\n")
             if step % log_every == 0 or step == max_steps:   # (before the redraw: this step's figures)
-                bar.set_postfix_str(f"loss {st.loss:.3f}  {tps:,.0f} tok/s  "
+                ev = f"  eval {eval_losses[-1][1]:.3f}" if eval_losses else ""
+                bar.set_postfix_str(f"loss {st.loss:.3f}{ev}  {tps:,.0f} tok/s  "
                                     f"mem {_fmt_bytes(st.device_peak_bytes)}", refresh=False)
             bar.update(1)
             if (save_every and step % save_every == 0) or step in (max_steps, stop_at):
@@ -838,6 +885,11 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
                     "dataset_tokens": ds.num_tokens, "max_steps": max_steps})
+    if pre.eval_dataset is not None:
+        summary["eval_sequences"] = len(pre.eval_dataset)
+        if eval_losses:
+            summary["eval_loss"] = eval_losses[-1][1]
+            summary["eval_losses"] = eval_losses
     # (a resume that only wrote the final model keeps the summary of the steps that ran)
     if ranks.main and (history or not (out / "summary.json").exists()):
         _write_text(out / "summary.json", json.dumps(summary, indent=1))
@@ -964,7 +1016,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"trained steps {s['start_step'] + 1}..{s['end_step']} in {s['wall_s']:.1f} s  "
         f"({s['tokens_per_s']:,.0f} tokens/s, median step {s['measured_step_time_s'] * 1e3:.0f} ms)",
         f"loss{span}: first {s['first_loss']:.3f} -> last {s['last_loss']:.3f}  "
-        f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})",
+        f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})"
+        + (f"\neval loss (held-out, {s['eval_sequences']} sequences): "
+           + ", ".join(f"step {k} {x:.3f}" for k, x in s["eval_losses"][-4:]) if s.get("eval_losses") else ""),
         f"step time: predicted {s['predicted_step_time_s'] * 1e3:.0f} ms, measured "
         f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "
         f"{_fmt_bytes(s['predicted_device_peak_bytes'])}, measured {_fmt_bytes(s['measured_device_peak_bytes'])}"

@@ -986,6 +986,50 @@ class StreamingExecutor:
                           accounted_peak_bytes=int(peak),
                           aux_loss=sum(auxes) / len(auxes) if auxes else None)
 
+    def eval_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """The model's mean loss on one batch with the current weights (those of every queued update),
+        forward only: the layers stream in forward order as in training, nothing is kept for a
+        backward, and the modules run in eval mode (dropout off). The language-model loss alone (a
+        MoE router's auxiliary loss is a training term). Between steps only."""
+        if ids.dim() != 2 or ids.shape != labels.shape:
+            raise ValueError(f"eval_loss: input_ids and labels must both be [B, S], got {tuple(ids.shape)} "
+                             f"and {tuple(labels.shape)}")
+        if self._synced:
+            self._rebind()
+        ids, labels = ids.to(self.device), labels.to(self.device)
+        B, S = ids.shape
+        modes = [(m, m.training) for m in self.model.modules()]
+        try:
+            with torch.no_grad():
+                self.model.eval()
+                kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)
+                ctx = list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
+                            for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+                            if isinstance(t, torch.Tensor)}.values())
+                ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
+                self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}
+                self.acct.alloc(ctx_bytes, "step_context")
+                mb = {"ids": ids, "labels": labels, "kw": kw, "n": 1, "weight": 1.0, "recomputing": False,
+                      "router": None, "rl": {}, "rl_leaf": {}, "rl_grad": {}, "rl_bytes": {}}
+                self.streamer.start(list(range(self.n_layers)), wrap=False)
+                h: torch.Tensor | None = None
+                live = 0
+                for i in range(self.n_layers):
+                    self.streamer.use(i)
+                    t = self.trace.now()
+                    h = self._fwd(i, h, mb)
+                    self.trace.add("compute_fwd", self.names[i], t, self.trace.now())
+                    if i < self.n_layers - 1:
+                        live = self._track_live(live, h)
+                return float(mb["loss"])
+        finally:
+            for m, training in modes:
+                m.training = training
+            self._end_micro_batch()
+            # the next step starts as after an update: its first layers on their way
+            self.streamer.invalidate()
+            self.streamer.prefetch_first(self.use_seq)
+
     def _wait_pending(self) -> None:
         """Wait for all of this step's queued accumulations (and state reads); raise the first
         error once all are done. The list is taken first: a failed one is never waited for again."""

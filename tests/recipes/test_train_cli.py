@@ -392,6 +392,64 @@ def test_chat_job_on_both_engines(base_overrides, tmp_path, capsys):
     _bad(capsys, [*common[:-1], f"data.chat_template={tmp_path / 'nope.jinja'}"], tmp_path, "no such file")
 
 
+def test_eval_split_on_both_engines(base_overrides, tmp_path, capsys):
+    """data.eval_fraction holds the last sequences out; eval_every=2 evaluates at steps 2 and 4 (the
+    end). Both engines report the same eval losses, and the last one is the saved model's loss on
+    the held-out sequences computed by hand; the training data is the rest."""
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain.data.dataset import build_dataset, load_tokenizer
+
+    common = [*base_overrides, "job.max_steps=4", "data.eval_fraction=0.25", "eval_every=2", "job.mode=full"]
+    got = {}
+    for name, extra in (("torch", ["engine=torch"]), ("lazytrain", ["engine=lazytrain", *SMALL_BUDGET])):
+        out = tmp_path / name
+        rc, io = _main([*common, *extra, f"output_dir={out}"], capsys)
+        assert rc == 0, io.err
+        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        got[name] = [(r["step"], r["eval_loss"]) for r in recs if "eval_loss" in r]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["eval_loss"] == got[name][-1][1] and "eval loss (held-out" in io.out
+    assert [k for k, _ in got["torch"]] == [2, 4] == [k for k, _ in got["lazytrain"]]
+    assert [x for _, x in got["lazytrain"]] == pytest.approx([x for _, x in got["torch"]], rel=1e-5)
+    assert got["torch"][0][1] != got["torch"][1][1]
+    # by hand: the last quarter of the packed sequences, the final model, token-weighted
+    files = [a.split("=", 1)[1].strip("[]") for a in base_overrides if a.startswith("data.files=")]
+    tok = load_tokenizer([a.split("=", 1)[1] for a in base_overrides if a.startswith("data.tokenizer=")][0])
+    full = build_dataset(files, tok, 32, seed=0)
+    _, held = full.split_off(0.25)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "torch" / "final").eval()
+    total = count = 0
+    with torch.no_grad():
+        for b in held.ordered_batches(2):
+            n = int((b.labels[:, 1:] != -100).sum())
+            total += model(input_ids=b.input_ids, labels=b.labels).loss.item() * n
+            count += n
+    assert got["torch"][-1][1] == pytest.approx(total / count, rel=1e-5)
+    assert summary["dataset_sequences"] == len(full) - len(held)
+
+
+def test_eval_files_evaluate_at_the_end(base_overrides, tmp_path, capsys):
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": f"Each item {i} is assigned to the target list."}) + "\n"
+                            for i in range(40)))
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=3", f"data.eval_files=[{held}]", "eval_batches=2",
+                    f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "eval_loss" in r] == [3]   # eval_every=0: only at the end
+    assert json.loads((out / "summary.json").read_text())["eval_loss"] == recs[-1]["eval_loss"] > 0
+
+
+def test_eval_settings_are_checked(base_overrides, tmp_path, capsys):
+    _bad(capsys, [*base_overrides, "data.eval_fraction=1.5"], tmp_path, "data.eval_fraction must be a number in [0, 1)")
+    _bad(capsys, [*base_overrides, "data.eval_fraction=0.5", f"data.eval_files=[{tmp_path}]"], tmp_path,
+         "data.eval_files and data.eval_fraction are both set")
+    _bad(capsys, [*base_overrides, "eval_every=-1"], tmp_path, "eval_every must be a whole number >= 0")
+    _bad(capsys, [*base_overrides, "eval_batches=0"], tmp_path, "eval_batches must be a whole number >= 1")
+
+
 def test_multi_process_launch_needs_deepspeed(base_overrides, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
