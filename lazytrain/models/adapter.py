@@ -117,8 +117,11 @@ def _final_norm(base: nn.Module, blocks: nn.Module, embed: nn.Module) -> nn.Modu
                 or "norm" in type(m).__name__.lower()]
         if len(bare) == 1:
             return bare[0]
+    names = ", ".join(f"{n} ({type(m).__name__})" for n, m in weighted) or "none"
     raise ModelStructureError(f"{type(base).__name__}: expected exactly one final norm next to the "
-                              f"blocks, found {len(weighted)} other modules with parameters")
+                              f"blocks, found {len(weighted)} modules with parameters there: {names} (a norm "
+                              f"on the embedding's output, as Bloom's, is not supported: only embedding -> "
+                              f"blocks -> final norm -> head)")
 
 
 def embedding_backward_reads_weights(parts: DecoderParts, weights: Iterable[torch.Tensor] | None = None) -> bool:
