@@ -181,6 +181,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         # fp32 log-softmax)
         fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
         act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
+        act += tokens * job.seq_len * spec.saved_bytes_per_token_per_seq * cb // 2   # (measured specs)
         if spec.kind == "block" and sliding_window_active(model, job) and spec.index - 1 in model.sliding_blocks:
             # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
             # saves that, in every sliding layer (measured on the CPU device: [batch, 1, seq, seq] per

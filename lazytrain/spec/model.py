@@ -3,7 +3,8 @@
 Per layer (embedding, each decoder block, final norm + head): parameter count, forward FLOPs per
 token, bytes of every activation the layer saves for backward (per token, for HF's implementation:
 fp32-upcast RMSNorm, SDPA attention, SwiGLU MLP), and the boundary activation size.
-Pure Python: no torch, no transformers.
+Pure Python: no torch, no transformers, for the families it has formulas for (FAMILIES); any other
+model_type is measured from the model transformers builds (spec/generic.py, which needs both).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class LayerSpec:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_param_count: int = 0         # one expert's parameters
+    # saved for backward per token x sequence length (an eager attention's probabilities; measured
+    # specs only, spec/generic.py: the families' formulas have none)
+    saved_bytes_per_token_per_seq: int = 0
 
     def flops_fwd(self, tokens: int, seq_len: int) -> float:
         return tokens * (self.matmul_flops_fwd_per_token
@@ -110,7 +114,11 @@ class ModelSpec:
 
     # ---- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        for ld in d["layers"]:   # (absent where 0: the families' specs, and their plans' hashes, as before)
+            if not ld["saved_bytes_per_token_per_seq"]:
+                del ld["saved_bytes_per_token_per_seq"]
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
@@ -198,12 +206,17 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
     if "text_config" in cfg and "hidden_size" not in cfg:
         outer = {k: cfg[k] for k in ("_experts_implementation", "experts_implementation") if k in cfg}
         cfg = {**outer, **cfg["text_config"]}
+    if "model_type" not in cfg:
+        raise ModelConfigError("config is missing required keys: model_type")
+    family = cfg["model_type"]
+    if family not in FAMILIES:
+        # no formulas for it: measured from the model transformers builds (spec/generic.py)
+        from .generic import spec_from_structure
+
+        return spec_from_structure(cfg, name)
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
-    family = cfg["model_type"]
-    if family not in FAMILIES:
-        raise ModelConfigError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
 
     H = _count(cfg, "hidden_size")
     L = _count(cfg, "num_hidden_layers")

@@ -68,7 +68,9 @@ def test_missing_keys_are_named(tmp_path):
     with pytest.raises(ModelConfigError, match="hidden_size.*vocab_size|vocab_size.*hidden_size"):
         ModelSpec.from_hf_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
                                   "intermediate_size": 8})
-    with pytest.raises(ModelConfigError, match="not supported"):
+    # a model_type without formulas is measured (spec/generic.py); GPT-2's position embedding is refused
+    with pytest.raises(ModelConfigError, match=r"model_type 'gpt2': GPT2Model: wpe \(Embedding\) holds weights.*"
+                                               r"position embedding"):
         ModelSpec.from_hf_config({**BASE, "model_type": "gpt2", "num_hidden_layers": 1, "intermediate_size": 8})
     with pytest.raises(ModelConfigError, match="no config.json"):
         ModelSpec.from_pretrained_dir(tmp_path)

@@ -1,0 +1,202 @@
+"""ModelSpec of a causal LM whose model_type the planner has no formulas for (spec/model.py knows
+eight families): measured from the model itself, not modelled.
+
+- transformers builds the model from its config on the meta device (no weights, no memory);
+- the executor's structure finder (models/adapter.find_parts) names its embedding, blocks, final
+  norm and head, or refuses it with the reason, as it would at training time;
+- parameters are counted per layer; the linear layers (and 3-D expert weights) give the matmul
+  FLOPs and the LoRA targets;
+- what a block saves for backward is measured: one block of each kind (type and parameter shapes)
+  is made for real in bf16 on the CPU with zero weights and run forward at two sequence lengths
+  with saved-tensor hooks, counting every distinct storage that is neither a weight nor one of the
+  step's shared arguments (rotary tables, masks; the step context holds those). The two lengths
+  separate what grows per token from what grows per token x sequence (an eager attention's
+  probabilities). A Llama config measured this way comes within a few % of its family's formula
+  (tests/spec/test_generic_spec.py). Costs one block's weights in memory and two short forwards
+  (seconds for a 70B-class block); cached per config for the process.
+- the head (final norm, lm_head, loss) is the families' (the structure finder has checked that the
+  model's loss is exactly that).
+
+Attention FLOPs assume every block attends over the whole sequence (num_attention_heads x
+head_dim); blocks of linear-attention or state-space hybrids are over-counted there.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from typing import Any
+
+from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count, _sliding_window
+
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "experts_per_token")
+
+
+def spec_from_structure(cfg: dict, name: str | None) -> ModelSpec:
+    return _cached(json.dumps(cfg, sort_keys=True, default=str), name)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(cfg_json: str, name: str | None) -> ModelSpec:
+    return _measure(json.loads(cfg_json), name)
+
+
+def _build_meta(cfg: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = cfg["model_type"]
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(family, **kw)
+    except (ValueError, KeyError) as e:
+        raise ModelConfigError(f"model_type {family!r}: transformers does not know it "
+                               f"({str(e).splitlines()[0][:160]})") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises for this config
+        raise ModelConfigError(f"model_type {family!r}: transformers cannot build it as a causal LM "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    return config, model
+
+
+def _materialise_context(parts) -> None:
+    """Make real (CPU) what computes the blocks' arguments: the base model's children other than
+    the embedding and the blocks (rotary tables, norms); a rotary module's frequencies are
+    recomputed (to_empty leaves them unset). Values do not matter to what is measured, shapes do."""
+    import torch
+
+    for mod in parts.base.children():
+        if mod is parts.blocks or mod is parts.embed:
+            continue
+        mod.to_empty(device="cpu")
+        for sub in mod.modules():
+            init = getattr(sub, "rope_init_fn", None)
+            if init is not None and isinstance(getattr(sub, "inv_freq", None), torch.Tensor):
+                inv, _ = init(sub.config, "cpu")
+                sub.inv_freq = inv
+                if hasattr(sub, "original_inv_freq"):
+                    sub.original_inv_freq = inv
+
+
+def _saved_bytes(block, kwargs: dict, hidden: int, seq: int) -> int:
+    """Bytes a real copy of `block` (zero weights, bf16, CPU) saves for backward on [1, seq] tokens."""
+    import torch
+
+    from ..models.adapter import run_block
+
+    real = copy.deepcopy(block).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*real.parameters(), *real.buffers()):
+            if t.is_floating_point():
+                t.zero_()
+    weights = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    ctx = {t.untyped_storage().data_ptr() for v in kwargs.values()
+           for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in weights and ptr not in ctx:
+            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        return t
+
+    x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_block(real, x, kwargs)
+    del out, real
+    return sum(seen.values())
+
+
+def _measure(cfg: dict, name: str | None) -> ModelSpec:
+    import torch
+
+    from ..models.adapter import ModelStructureError, block_kwargs, find_parts
+
+    family = cfg["model_type"]
+    config, model = _build_meta(cfg)
+    try:
+        parts = find_parts(model)
+    except ModelStructureError as e:
+        raise ModelConfigError(f"model_type {family!r}: {e}") from None
+    H = int(parts.embed.embedding_dim)
+    L = len(parts.blocks)
+    V = int(parts.vocab_size)
+    nh = _count(cfg, "num_attention_heads")
+    nkv = _count(cfg, "num_key_value_heads", nh)
+    hd = _count(cfg, "head_dim", H // nh)
+    window, sliding = _sliding_window(cfg, family, L)
+    # two lengths below any attention window (past it the cost model adds the explicit mask itself)
+    s2 = 64 if not window or window > 64 else max(2, window - 1)
+    s1 = max(1, s2 // 2)
+    _materialise_context(parts)
+    kw = {s: block_kwargs(parts, 1, s, torch.bfloat16, torch.device("cpu")) for s in (s1, s2)}
+
+    numel = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    layers = [LayerSpec(name="embed", kind="embed", index=0, param_count=numel(parts.embed),
+                        active_param_count=numel(parts.embed), matmul_flops_fwd_per_token=0,
+                        attn_flops_fwd_per_token_per_seq=0, saved_bytes_per_token={"input_ids": 8})]
+    measured: dict[tuple, tuple[int, int]] = {}
+    for i, block in enumerate(parts.blocks):
+        linears, matmul, experts = [], 0, []
+        for mname, mod in block.named_modules():
+            w = getattr(mod, "weight", None)
+            if isinstance(mod, torch.nn.Linear) or (
+                    isinstance(w, torch.nn.Parameter) and w.dim() == 2 and not isinstance(mod, torch.nn.Embedding)):
+                # (an MoE router holds its [experts, hidden] matrix as a bare weight)
+                out_f, in_f = int(w.shape[0]), int(w.shape[1])
+                linears.append(Linear(mname.split(".")[-1], in_f, out_f))
+                matmul += in_f * out_f
+        for pname, p in block.named_parameters():
+            if p.dim() == 3:   # one weight per expert: [experts, out, in] (or [experts, in, out])
+                experts.append((pname, p))
+        E = k = expert_params = 0
+        params = numel(block)
+        active = params
+        if experts:
+            E = int(experts[0][1].shape[0])
+            k = next((int(cfg[key]) for key in TOP_K_KEYS if isinstance(cfg.get(key), int)), 0)
+            if not 1 <= k <= E:
+                raise ModelConfigError(f"model_type {family!r}: block {i} holds {E} experts but the config "
+                                       f"names no top-k in 1..{E} (looked for {', '.join(TOP_K_KEYS)})")
+            all_expert = sum(p.numel() for _, p in experts)
+            expert_params = all_expert // E
+            active = params - all_expert + k * expert_params
+            matmul += k * expert_params
+            for pname, p in experts:
+                linears.append(Linear("experts." + pname.split(".")[-1], int(p.shape[-1]), int(p.shape[-2]), E, k))
+        # one measurement per kind of block: its class, parameter shapes and arguments' shapes
+        kind = (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
+                tuple(sorted((a, tuple(v.shape)) for a, v in kw[s2][i].items() if isinstance(v, torch.Tensor))))
+        if kind not in measured:
+            b1, b2 = (_saved_bytes(block, kw[s][i], H, s) for s in (s1, s2))
+            quad = max(0, round((b2 / s2 - b1 / s1) / (s2 - s1))) if s2 > s1 else 0
+            measured[kind] = (max(0, round(b1 / s1 - quad * s1)), quad)
+        per_token, per_token_seq = measured[kind]
+        layers.append(LayerSpec(
+            name=f"block.{i}", kind="block", index=i + 1, param_count=params, active_param_count=active,
+            matmul_flops_fwd_per_token=2 * matmul, attn_flops_fwd_per_token_per_seq=2 * nh * hd,
+            saved_bytes_per_token={"measured": per_token}, linears=tuple(linears),
+            num_experts=E, experts_per_token=k, expert_param_count=expert_params,
+            saved_bytes_per_token_per_seq=per_token_seq))
+    tied = bool(parts.tied)
+    norm_params = numel(parts.norm)
+    head_params = norm_params + (0 if tied else numel(parts.head))
+    layers.append(LayerSpec(
+        name="head", kind="head", index=L + 1, param_count=head_params, active_param_count=norm_params + V * H,
+        matmul_flops_fwd_per_token=2 * V * H, attn_flops_fwd_per_token_per_seq=0,
+        # as the families' head (spec/model.py): the final norm's fp32 input and output, lm_head's
+        # input and the loss's fp32 log-softmax
+        saved_bytes_per_token={"norm_fp32_in": 4 * H, "norm_out": 2 * H, "lm_head_in": 2 * H, "log_softmax": 4 * V},
+        linears=(Linear("lm_head", H, V),)))
+    inter = cfg.get("intermediate_size")
+    return ModelSpec(
+        name=name or cfg.get("_name_or_path") or family, family=family, hidden_size=H, num_layers=L,
+        vocab_size=V, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+        intermediate_size=int(inter) if isinstance(inter, int) and inter > 0 else 4 * H,
+        max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
+        tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
+        sliding_window=window, sliding_blocks=sliding)
