@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..spec.model import decode_json_floats
+
 
 class NotMoeModelError(ValueError):
     """The model has no experts layers that lazytrain can stream."""
@@ -105,7 +107,7 @@ def build_meta_model(hf_config: dict | object) -> nn.Module:
 
     cfg = hf_config
     if isinstance(hf_config, dict):
-        d = dict(hf_config)
+        d = decode_json_floats(dict(hf_config))
         cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .arch import MoeLayer, build_meta_model, find_moe_layers
+from ..spec.model import decode_json_floats
 from .store import COPIED_FILES, ExpertStore, StoreError, StoreMismatchError, StoreWriter
 
 # Per-expert projection names -> role; gate and up are concatenated [gate; up] like transformers does.
@@ -97,6 +98,10 @@ def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, d
         with safe_open(str(shard), "pt") as f:
             for key in f.keys():
                 name = rename(key)
+                if name not in expected and key in expected:
+                    # as transformers' loader: a rename that makes a model key into a non-key is
+                    # undone (DeepSeek-V4's `.norm.` -> `.kv_norm.` caught the final model.norm)
+                    name = key
                 owner, _, leaf = name.rpartition(".")
                 if owner in prefixes:
                     fused[(owner, leaf)] = (shard, key)
@@ -117,7 +122,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
         raise StoreError(f"model.path {src} has no config.json (is it a Hugging Face model directory?)")
     if Path(out_dir).expanduser().resolve() == src.resolve():
         raise StoreError(f"out={out_dir} is model.path itself; convert into a directory of its own")
-    hf_config = json.loads((src / "config.json").read_text())
+    hf_config = decode_json_floats(json.loads((src / "config.json").read_text()))
     meta = build_meta_model(hf_config)
     layers = find_moe_layers(meta)
     expected = set(meta.state_dict().keys())

@@ -35,6 +35,7 @@ from .convert import check_store_source
 from .policies import Forecast, make_policy
 from .predictor import Oracle, PredictorHeads, SpeculativeGate, TrainedPredictor
 from .stats import MoeCounters, MoeStats
+from ..spec.model import decode_json_floats
 from .store import ExpertStore, StoreError, StoreMismatchError
 
 _LOG = logging.getLogger(__name__)
@@ -369,7 +370,7 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
             src = Path(model_path).expanduser()
             if not (src / "config.json").is_file():
                 raise StoreError(f"model.path {src} has no config.json")
-            hf_config = json.loads((src / "config.json").read_text())
+            hf_config = decode_json_floats(json.loads((src / "config.json").read_text()))
         model = build_meta_model(hf_config)
         find_moe_layers(model)                 # NotMoeModelError before anything else
         # from_config derives the generation config from config.json alone; the checkpoint's

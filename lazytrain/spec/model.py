@@ -142,13 +142,30 @@ class ModelSpec:
         if not cfg_path.is_file():
             raise ModelConfigError(f"{p}: no config.json (model.path must be a local Hugging Face model dir)")
         try:
-            cfg = json.loads(cfg_path.read_text())
+            cfg = decode_json_floats(json.loads(cfg_path.read_text()))
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_path}: not valid JSON ({e})") from None
         return _build(cfg, name or p.name)
 
 
 # ---- construction from an HF config ---------------------------------------------------------
+
+_JSON_FLOATS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def decode_json_floats(obj: Any) -> Any:
+    """A config.json's values with transformers' markers for floats JSON cannot hold
+    ({"__float__": "Infinity"}, as `save_pretrained` writes Mamba-2's time_step_limit) turned back
+    into floats, as `from_pretrained` does; `AutoConfig.for_model(**dict)` would keep the marker
+    and refuse it."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in _JSON_FLOATS:
+            return _JSON_FLOATS[obj["__float__"]]
+        return {k: decode_json_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_json_floats(v) for v in obj]
+    return obj
+
 
 def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
     for k in keys:
