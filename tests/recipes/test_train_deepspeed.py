@@ -116,3 +116,21 @@ def test_only_deepspeed_checkpoints_record_the_optimizer_settings(base_overrides
         ident = job_identity(cfg, pre.dataset, pre)
         assert ("optimizer_settings" in ident) == has
     assert ident["optimizer_settings"] == {"weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+
+
+@pytest.mark.slow  # DeepSpeed's CPUAdam JIT build and gloo start-up take tens of seconds
+def test_deepspeed_engine_evaluates_as_plain_pytorch(base_overrides, tmp_path):
+    """data.eval_fraction on engine=deepspeed: the held-out losses at steps 2 and 4 are engine=torch's."""
+    from lazytrain.integrations.deepspeed import check_available
+    msg = check_available()
+    if msg:
+        pytest.skip(msg)
+    ov = [*base_overrides, "job.max_steps=4", "save_every=0", "data.eval_fraction=0.25", "eval_every=2"]
+    evals = {}
+    for eng in ("deepspeed", "torch"):
+        out = tmp_path / eng
+        run(load_config([*ov, f"engine={eng}", f"output_dir={out}"], config_name="train"), out, echo=lambda *_: None)
+        evals[eng] = [(r["step"], r["eval_loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                      if "eval_loss" in r]
+    assert [s for s, _ in evals["deepspeed"]] == [2, 4] == [s for s, _ in evals["torch"]]
+    assert [x for _, x in evals["deepspeed"]] == pytest.approx([x for _, x in evals["torch"]], rel=1e-5)
