@@ -334,6 +334,18 @@ def test_master_dtype_is_checked(base_overrides, tmp_path, capsys):
          "optimizer_state_bits=8")
 
 
+def _losses_of_runs(common, runs, tmp_path, capsys):
+    """{name: per-step losses} of one `lazytrain train` per entry of `runs` (name -> extra
+    overrides), each in tmp_path/name."""
+    losses = {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        rc, io = _main([*common, *extra, f"output_dir={out}"], capsys)
+        assert rc == 0, io.err
+        losses[name] = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return losses
+
+
 def test_prompt_completion_job_on_both_engines(base_overrides, tmp_path, capsys):
     """data.prompt_field: an SFT job; the streamed executor and plain PyTorch log the same losses
     (prompt positions are ignored by both), which differ from learning the whole rows."""
@@ -345,14 +357,9 @@ def test_prompt_completion_job_on_both_engines(base_overrides, tmp_path, capsys)
     sft.write_text("\n".join(json.dumps(r) for r in rows))
     common = [a for a in base_overrides if not a.startswith("data.files")] + [
         f"data.files=[{sft}]", "data.text_field=completion", "job.max_steps=3"]
-    losses = {}
-    for name, extra in (("torch", ["engine=torch", "data.prompt_field=prompt"]),
-                        ("lazytrain", ["engine=lazytrain", "data.prompt_field=prompt", *SMALL_BUDGET]),
-                        ("whole", ["engine=torch"])):
-        out = tmp_path / name
-        rc, io = _main([*common, *extra, f"output_dir={out}"], capsys)
-        assert rc == 0, io.err
-        losses[name] = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = _losses_of_runs(common, {"torch": ["engine=torch", "data.prompt_field=prompt"],
+                                      "lazytrain": ["engine=lazytrain", "data.prompt_field=prompt", *SMALL_BUDGET],
+                                      "whole": ["engine=torch"]}, tmp_path, capsys)
     assert len(losses["torch"]) == 3
     assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
     assert abs(losses["whole"][0] - losses["torch"][0]) > 1e-3
@@ -379,12 +386,8 @@ def test_chat_job_on_both_engines(base_overrides, tmp_path, capsys):
         f"data.files=[{chats}]", "data.messages_field=messages", "job.max_steps=3"]
     _bad(capsys, common, tmp_path, "no chat template")
     common.append(f"data.chat_template={template}")
-    losses = {}
-    for name, extra in (("torch", ["engine=torch"]), ("lazytrain", ["engine=lazytrain", *SMALL_BUDGET])):
-        out = tmp_path / name
-        rc, io = _main([*common, *extra, f"output_dir={out}"], capsys)
-        assert rc == 0, io.err
-        losses[name] = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = _losses_of_runs(common, {"torch": ["engine=torch"],
+                                      "lazytrain": ["engine=lazytrain", *SMALL_BUDGET]}, tmp_path, capsys)
     assert len(losses["torch"]) == 3
     assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
     from transformers import AutoTokenizer
