@@ -798,7 +798,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     history: list[StepStats] = []
     eval_every = int(cfg.get("eval_every") or 0)
     eval_limit = None if cfg.get("eval_batches") is None else int(cfg.eval_batches)
-    eval_losses: list[tuple[int, float]] = []
+    eval_losses = [(int(r["step"]), float(r["eval_loss"])) for r in metrics.earlier   # (before a resume)
+                   if isinstance(r.get("step"), int) and isinstance(r.get("eval_loss"), (int, float))]
     t_run = time.perf_counter()
     step = start_step
     at.update(step=step, max_steps=max_steps)
@@ -841,8 +842,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                    "predicted_step_time_s": st.predicted_step_time_s or pre.plan.predicted.step_time_s,
                    "predicted_device_peak_bytes": st.predicted_device_peak_bytes
                    or int(pre.plan.predicted.peak_bytes.get("device", 0))}
-            if pre.eval_dataset is not None and (
-                    (eval_every and step % eval_every == 0) or step in (max_steps, stop_at)):
+            # (not at a stop_at_step pre-emption: a stopped and resumed run logs what an
+            # uninterrupted one does)
+            if pre.eval_dataset is not None and ((eval_every and step % eval_every == 0) or step == max_steps):
                 rec["eval_loss"] = evaluate(engine, pre.eval_dataset, job.batch_size, eval_limit)
                 eval_losses.append((step, rec["eval_loss"]))
             metrics.write(rec)

@@ -730,19 +730,25 @@ class StreamingExecutor:
     def _set_rng_state(self, st: tuple) -> None:
         set_rng_states(st, [self.device] if self.cuda else [])
 
+    def _hold_step_context(self, kw: list[dict]) -> list[torch.Tensor]:
+        """Count the tensors the blocks' arguments hold (masks, rotary tables; shared by all
+        blocks) as device memory until `_end_micro_batch`; returns them."""
+        ctx = list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
+                    for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+                    if isinstance(t, torch.Tensor)}.values())
+        ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
+        self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}   # (before: alloc may raise, counted)
+        self.acct.alloc(ctx_bytes, "step_context")
+        return ctx
+
     def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool,
                      weight: float = 1.0) -> float:
         ids, labels = ids.to(self.device), labels.to(self.device)
         B, S = ids.shape
         kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)   # one dict per block
-        ctx = list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
-                    for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
-                    if isinstance(t, torch.Tensor)}.values())
+        ctx = self._hold_step_context(kw)
         self.acts.resident_ptrs = {t.untyped_storage().data_ptr() for t in ctx}
         self.acts.resident_ptrs |= {p.untyped_storage().data_ptr() for p in self.adapter_params}
-        ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
-        self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}   # (before: alloc may raise, counted)
-        self.acct.alloc(ctx_bytes, "step_context")
         self._drain_grads(keep=0)   # forward windows hold no weight grads (as planned)
         mb = {"ids": ids, "labels": labels, "kw": kw, "n": n, "weight": float(weight), "recomputing": False,
               # MoE router aux loss: per block its router logits (with graph), the head's leaf
@@ -1003,12 +1009,7 @@ class StreamingExecutor:
             with torch.no_grad():
                 self.model.eval()
                 kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)
-                ctx = list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
-                            for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
-                            if isinstance(t, torch.Tensor)}.values())
-                ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
-                self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}
-                self.acct.alloc(ctx_bytes, "step_context")
+                self._hold_step_context(kw)
                 mb = {"ids": ids, "labels": labels, "kw": kw, "n": 1, "weight": 1.0, "recomputing": False,
                       "router": None, "rl": {}, "rl_leaf": {}, "rl_grad": {}, "rl_bytes": {}}
                 self.streamer.start(list(range(self.n_layers)), wrap=False)

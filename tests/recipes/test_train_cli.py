@@ -445,6 +445,18 @@ def test_eval_files_evaluate_at_the_end(base_overrides, tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["eval_loss"] == recs[-1]["eval_loss"] > 0
 
 
+def test_a_stopped_and_resumed_run_evaluates_as_an_uninterrupted_one(base_overrides, tmp_path, capsys):
+    common = [*base_overrides, "job.max_steps=4", "data.eval_fraction=0.25", "eval_every=3"]
+    for out, extra in ((tmp_path / "a", []), (tmp_path / "b", ["stop_at_step=2"]), (tmp_path / "b", ["resume=true"])):
+        rc, io = _main([*common, *extra, f"output_dir={out}"], capsys)
+        assert rc == 0, io.err
+    rows = {k: [(r["step"], r.get("eval_loss")) for r in map(json.loads, (tmp_path / k / "metrics.jsonl").read_text().splitlines())]
+            for k in "ab"}
+    assert rows["a"] == rows["b"] and [s for s, x in rows["a"] if x is not None] == [3, 4]
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["eval_losses"] == [
+        [s, x] for s, x in rows["a"] if x is not None]   # the whole run's, the resumed one's too
+
+
 def test_eval_settings_are_checked(base_overrides, tmp_path, capsys):
     _bad(capsys, [*base_overrides, "data.eval_fraction=1.5"], tmp_path, "data.eval_fraction must be a number in [0, 1)")
     _bad(capsys, [*base_overrides, "data.eval_fraction=0.5", f"data.eval_files=[{tmp_path}]"], tmp_path,
