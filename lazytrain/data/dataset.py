@@ -234,9 +234,9 @@ def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
             if not completion.strip():
                 continue
             p = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-            if bos is not None:
-                p = [bos] + p
             c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
+            if bos is not None and (p or c)[:1] != [bos]:   # (a prompt rendered by a chat template has one)
+                p = [bos] + p
             ids += p + c
             learn += [False] * len(p) + [True] * len(c)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(learn, dtype=torch.bool)
@@ -268,6 +268,15 @@ def read_chats(path: Path, messages_field: str) -> Iterator[tuple[str, list[dict
             if c is not None:   # a lone UTF-16 surrogate is an error naming the row
                 _field_text(path, f"{where} message {j}", "content", "data.messages_field", c)
         yield where, msgs
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,20 +325,26 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tup
             mask = [False] * len(row)
             for i in turns:
                 before, through = render(i, True), render(i + 1, False)
-                if not (through.startswith(before) and full.startswith(through)):
+                content = msgs[i].get("content") or ""
+                # The turn ends where its rendering stops agreeing with the whole conversation's (a
+                # template may close a conversation after its last message, as Phi-3 adds EOS,
+                # which a later turn does not follow), at least past its content.
+                if not (through.startswith(before) and full.startswith(before + content)
+                        and through.startswith(before + content)):
                     raise DataError(
                         f"{path}{where}: the chat template renders message {i} (assistant) differently "
                         f"once later messages follow it (templates that drop earlier turns' reasoning "
                         f"do this), so its tokens cannot be marked; put one assistant turn per row, or "
                         f"set data.chat_template=FILE to a template that renders earlier turns unchanged")
-                a, b = enc(before), enc(through)
-                if b[:len(a)] != a or row[:len(b)] != b:
+                a, c, t = enc(before), enc(before + content), enc(through)
+                if row[:len(a)] != a or row[:len(c)] != c or t[:len(c)] != c:
                     raise DataError(
                         f"{path}{where}: message {i} (assistant) does not start or end on a token "
                         f"boundary of the rendered conversation (the template joins it to its "
                         f"neighbours without a special token); set data.chat_template=FILE to a template "
                         f"that separates turns with special tokens")
-                mask[len(a):len(b)] = [True] * (len(b) - len(a))
+                end = len(c) + _common_prefix(t[len(c):], row[len(c):])
+                mask[len(a):end] = [True] * (end - len(a))
             ids += row
             learn += mask
     if skipped:
@@ -404,10 +419,11 @@ def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
         for doc in read_documents(path, text_field):
             if not doc.strip():
                 continue
-            if bos is not None:
-                ids.append(bos)
+            start = len(ids)
             for piece in _pieces(tokenizer, doc, chunk_chars):
                 ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+            if bos is not None and ids[start:start + 1] != [bos]:   # (text that starts with it has one)
+                ids.insert(start, bos)
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
@@ -631,7 +647,8 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
         raise DataError(f"data.prompt_field={prompt_field!r} and data.messages_field={messages_field!r} are "
                         f"both set: rows are either prompt/completion pairs or chats; unset one")
     paths = expand_files(files)
-    bos = None if messages_field else bos_for(tokenizer, add_bos)
+    bos = bos_for(tokenizer, add_bos)   # (checked for chat rows too, which take theirs from the template)
+    bos = None if messages_field else bos
     masked = bool(prompt_field or messages_field)
     data = None
     cache_path = None

@@ -270,9 +270,12 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
         return ds, None
     cache = d.get("cache_dir")
     fields = {k: str(d.get(k)) if d.get(k) else None for k in ("prompt_field", "messages_field")}
-    return ds, build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
-                             cache_dir=Path(str(cache)).expanduser() if cache else None,
-                             add_bos=d.get("add_bos", "auto"), **fields)
+    try:
+        return ds, build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
+                                 cache_dir=Path(str(cache)).expanduser() if cache else None,
+                                 add_bos=d.get("add_bos", "auto"), **fields)
+    except DataError as e:
+        raise DataError(f"data.eval_files: {e}") from None
 
 
 def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) -> float:
@@ -482,10 +485,27 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
             if had == v and then is not None and then != now:
                 raise ConfigError(f"cannot resume: the checkpoint was trained on other data (token "
                                   f"fingerprint {then}, this run's {now}: other files, contents or order, "
-                                  f"tokenizer or data fields); use the same data or a new output_dir")
+                                  f"tokenizer or data fields){_data_hints(cfg, pre)}; use the same data "
+                                  f"or a new output_dir")
         if had != v:
+            hint = _data_hints(cfg, pre) if k == "dataset" else ""
             raise ConfigError(f"cannot resume: the checkpoint was written with {k}={had}, this run has "
-                              f"{k}={v}; use the same settings or a new output_dir")
+                              f"{k}={v}{hint}; use the same settings or a new output_dir")
+
+
+def _data_hints(cfg: DictConfig, pre: Preflight) -> str:
+    """What else changes the training sequences than the files: a held-out fraction, and the BOS
+    data.add_bos=auto puts in front of documents since 2026-12-01 (runs before had none)."""
+    from ..data.dataset import bos_for
+
+    hints = []
+    if cfg.data.get("eval_fraction"):
+        hints.append(f"data.eval_fraction={cfg.data.eval_fraction} holds sequences out of training")
+    add = cfg.data.get("add_bos", "auto")
+    if not cfg.data.get("messages_field") and str(add).lower() == "auto" and bos_for(pre.tokenizer, "auto") is not None:
+        hints.append("data.add_bos=auto puts a BOS before each document (runs started before 2026-12-01 "
+                     "had none: resume those with data.add_bos=false)")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pre: Preflight,

@@ -125,9 +125,17 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     H = int(parts.embed.embedding_dim)
     L = len(parts.blocks)
     V = int(parts.vocab_size)
-    nh = _count(cfg, "num_attention_heads")
-    nkv = _count(cfg, "num_key_value_heads", nh)
-    hd = _count(cfg, "head_dim", H // nh)
+    # read from the config object: it maps each family's own key names (GPT-J's n_head, MPT's
+    # n_heads) to the standard ones
+    std = {k: getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                  "max_position_embeddings", "intermediate_size")}
+    std = {k: v for k, v in std.items() if v is not None}
+    nh = _count(std, "num_attention_heads")
+    nkv = _count(std, "num_key_value_heads", nh)
+    # (multi-head latent attention: the query/key head is its rope and no-rope parts together)
+    qk = getattr(config, "qk_head_dim", None) or (getattr(config, "qk_rope_head_dim", 0) or 0) + \
+        (getattr(config, "qk_nope_head_dim", 0) or 0)
+    hd = int(qk) if qk else _count(std, "head_dim", H // nh)
     window, sliding = _sliding_window(cfg, family, L)
     # two lengths below any attention window (past it the cost model adds the explicit mask itself)
     s2 = 64 if not window or window > 64 else max(2, window - 1)
@@ -192,11 +200,11 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         # input and the loss's fp32 log-softmax
         saved_bytes_per_token={"norm_fp32_in": 4 * H, "norm_out": 2 * H, "lm_head_in": 2 * H, "log_softmax": 4 * V},
         linears=(Linear("lm_head", H, V),)))
-    inter = cfg.get("intermediate_size")
+    inter = std.get("intermediate_size")
     return ModelSpec(
         name=name or cfg.get("_name_or_path") or family, family=family, hidden_size=H, num_layers=L,
         vocab_size=V, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
         intermediate_size=int(inter) if isinstance(inter, int) and inter > 0 else 4 * H,
-        max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
+        max_position_embeddings=_count(std, "max_position_embeddings", 4096),
         tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
         sliding_window=window, sliding_blocks=sliding)

@@ -71,3 +71,25 @@ def test_cache_entries_with_and_without_bos_differ(tmp_path, bos_tok):
     b = build_dataset([f], bos_tok, seq_len=4, cache_dir=cache, add_bos=False)
     assert len(list(cache.glob("tokens-*.safetensors"))) == 2
     assert not torch.equal(a.sequences[:1], b.sequences[:1])
+
+
+def test_text_that_starts_with_the_bos_gets_no_second_one(tmp_path, bos_tok):
+    """A prompt rendered with apply_chat_template(tokenize=False) starts with the BOS text already
+    (review: auto gave every such row two)."""
+    f = tmp_path / "sft.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"<s>Q{i}:", "completion": " the for statement"}) + "\n" for i in range(4)))
+    stream = build_dataset([f], bos_tok, seq_len=8, prompt_field="prompt", text_field="completion").sequences.flatten()
+    d = tmp_path / "d.jsonl"
+    d.write_text("".join(json.dumps({"text": "<s>document about iterables"}) + "\n" for _ in range(4)))
+    docs = build_dataset([d], bos_tok, seq_len=4).sequences.flatten()
+    for s in (stream, docs):
+        b = bos_tok.bos_token_id
+        assert s[0].item() == b and not bool(((s[1:] == b) & (s[:-1] == b)).any())   # never two in a row
+        assert int((s == b).sum()) == 4
+
+
+def test_add_bos_is_checked_for_chat_rows_too(tmp_path, tok):  # noqa: F811
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match=r"data\.add_bos='bogus'"):
+        build_dataset([f], tok, seq_len=4, messages_field="messages", add_bos="bogus")

@@ -187,3 +187,18 @@ def test_chat_template_file(tmp_path):
     bad.write_text("{% for m in messages %}{{ m['content'] }}")
     with pytest.raises(DataError, match=r"bad\.jinja:1: not a valid Jinja template"):
         read_chat_template(bad)
+
+
+def test_a_template_that_closes_the_conversation_marks_every_turn(tmp_path, chat_tok):
+    """Phi-3's template ends a conversation rendered without a generation prompt with EOS: a turn
+    that later ones follow renders without it. Every turn is marked (review: multi-turn rows were
+    refused); the closing EOS is learned after the last turn only."""
+    chat_tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    chat_tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}")
+    conv = [m for m in CONV if m["role"] != "system"]
+    f = _jsonl(tmp_path / "chats.jsonl", {"messages": conv})
+    ids, learn = tokenize_chats([f], chat_tok, "messages")
+    assert [chat_tok.decode(s) for s in _spans(ids, learn)] == [
+        "It iterates over a sequence.<|end|>\n",
+        "Each item is assigned to the target list.<|end|>\n" + chat_tok.eos_token]

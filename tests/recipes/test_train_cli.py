@@ -457,6 +457,41 @@ def test_a_stopped_and_resumed_run_evaluates_as_an_uninterrupted_one(base_overri
         [s, x] for s, x in rows["a"] if x is not None]   # the whole run's, the resumed one's too
 
 
+def test_eval_data_errors_name_the_eval_setting(base_overrides, tmp_path, capsys):
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "too short"}) + "\n")
+    _bad(capsys, [*base_overrides, f"data.eval_files=[{short}]"], tmp_path, "data.eval_files: the data holds")
+    # a resume with another held-out fraction trains on other sequences: refused, saying why
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=2", "data.eval_fraction=0.2", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    rc, io = _main([*base_overrides, "job.max_steps=3", "data.eval_fraction=0.3", "resume=true",
+                    f"output_dir={out}"], capsys)
+    assert rc == 2 and "data.eval_fraction=0.3 holds sequences out of training" in io.err, io.err
+
+
+def test_a_resume_refused_for_the_new_bos_says_how_to_resume(base_overrides, tmp_path, capsys):
+    """A run made before data.add_bos, on a tokenizer that adds a BOS (Llama's), had none; resumed
+    with the default (auto) its data differs: the refusal names data.add_bos=false, which resumes."""
+    from tokenizers.processors import TemplateProcessing
+
+    from lazytrain.data.dataset import load_tokenizer
+
+    tok_dir = [a.split("=", 1)[1] for a in base_overrides if a.startswith("data.tokenizer=")][0]
+    tok = load_tokenizer(tok_dir)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    tok.save_pretrained(tmp_path / "tok")
+    common = [a for a in base_overrides if not a.startswith("data.tokenizer=")] + [f"data.tokenizer={tmp_path / 'tok'}"]
+    out = tmp_path / "run"
+    rc, io = _main([*common, "job.max_steps=3", "stop_at_step=2", "data.add_bos=false", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    rc, io = _main([*common, "job.max_steps=3", "resume=true", f"output_dir={out}"], capsys)
+    assert rc == 2 and "resume those with data.add_bos=false" in io.err, io.err
+    rc, io = _main([*common, "job.max_steps=3", "resume=true", "data.add_bos=false", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+
+
 def test_eval_settings_are_checked(base_overrides, tmp_path, capsys):
     _bad(capsys, [*base_overrides, "data.eval_fraction=1.5"], tmp_path, "data.eval_fraction must be a number in [0, 1)")
     _bad(capsys, [*base_overrides, "data.eval_fraction=0.5", f"data.eval_files=[{tmp_path}]"], tmp_path,

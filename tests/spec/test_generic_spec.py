@@ -69,3 +69,18 @@ def test_unknown_and_unsupported_model_types_say_why():
     moe = dict(model_type="olmoe", hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                vocab_size=64, num_experts=4, num_experts_per_tok=2)
     assert ModelSpec.from_hf_config(moe).blocks[0].experts_per_token == 2
+
+
+def test_family_key_names_are_read_through_the_config():
+    """GPT-J names its heads n_head, MPT n_heads (review: "missing required key
+    num_attention_heads"); DeepSeek's latent attention has 24-wide query/key heads (rope + no-rope)."""
+    gptj = ModelSpec.from_hf_config(dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, vocab_size=128,
+                                         rotary_dim=8, n_positions=128, eos_token_id=0, bos_token_id=0))
+    mpt = ModelSpec.from_hf_config(dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, vocab_size=128))
+    assert (gptj.num_heads, gptj.head_dim, gptj.num_layers) == (4, 16, 2) == (mpt.num_heads, mpt.head_dim, mpt.num_layers)
+    ds = ModelSpec.from_hf_config(dict(
+        model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_group=1, topk_group=1))
+    assert ds.head_dim == 24 and [b.num_experts for b in ds.blocks] == [0, 8]
