@@ -329,14 +329,15 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tup
                 # The turn ends where its rendering stops agreeing with the whole conversation's (a
                 # template may close a conversation after its last message, as Phi-3 adds EOS,
                 # which a later turn does not follow), at least past its content.
-                if not (through.startswith(before) and full.startswith(before + content)
-                        and through.startswith(before + content)):
+                agree = _common_prefix(through, full)
+                at = full.find(content, len(before), agree)
+                if not (through.startswith(before) and full.startswith(before) and at >= 0):
                     raise DataError(
                         f"{path}{where}: the chat template renders message {i} (assistant) differently "
                         f"once later messages follow it (templates that drop earlier turns' reasoning "
                         f"do this), so its tokens cannot be marked; put one assistant turn per row, or "
                         f"set data.chat_template=FILE to a template that renders earlier turns unchanged")
-                a, c, t = enc(before), enc(before + content), enc(through)
+                a, c, t = enc(before), enc(full[:at + len(content)]), enc(through)
                 if row[:len(a)] != a or row[:len(c)] != c or t[:len(c)] != c:
                     raise DataError(
                         f"{path}{where}: message {i} (assistant) does not start or end on a token "
