@@ -125,8 +125,45 @@ def _resume_without_output_dir(argv: list[str]) -> bool:
             and kv.get("output_dir", "null") in NO_DIR)
 
 
+# settings of a run that a resume does not take over: what says to resume, where, and a planned stop
+NOT_RESUMED = ("resume", "output_dir", "stop_at_step")
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv, the settings taken over): for `resume=true output_dir=DIR` (a single run), the
+    overrides the run was started with (Hydra's DIR/.hydra/overrides.yaml) that this command line
+    does not set again, put first, so that a resume needs no more than those two and whatever it
+    changes (job.max_steps=...). Hydra then records the whole set for the next resume."""
+    kv = {_key(a): a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
+    out = kv.get("output_dir", "")
+    if kv.get("resume", "").lower() != "true" or out in NO_DIR or any(a in MULTIRUN_FLAGS for a in argv):
+        return argv, []
+    record = Path(out).expanduser() / ".hydra" / "overrides.yaml"
+    if not record.is_file():
+        return argv, []
+    import yaml
+
+    try:
+        saved = yaml.safe_load(record.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return argv, []   # (the checkpoint's own checks still refuse another job)
+    if not isinstance(saved, list):
+        return argv, []
+    taken = [a for a in saved if isinstance(a, str) and "=" in a and _key(a) not in kv
+             and _key(a) not in NOT_RESUMED and not _key(a).startswith(("hydra.", "hydra/"))]
+    return taken + argv, taken
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise(list(sys.argv[1:] if argv is None else argv))
+    argv, taken = _with_run_settings(argv)
+    if taken:
+        print(f"lazytrain train: resume=true: the run's settings from its .hydra/overrides.yaml: "
+              f"{' '.join(taken)}", file=sys.stderr)
     from ..cli.config import config_dir, load_config
     from ..recipes.train import USER_ERRORS, check_output_dir, preflight
 

@@ -486,6 +486,8 @@ def test_a_resume_refused_for_the_new_bos_says_how_to_resume(base_overrides, tmp
     out = tmp_path / "run"
     rc, io = _main([*common, "job.max_steps=3", "stop_at_step=2", "data.add_bos=false", f"output_dir={out}"], capsys)
     assert rc == 0, io.err
+    record = out / ".hydra" / "overrides.yaml"   # an older run's record has no data.add_bos
+    record.write_text("".join(l + "\n" for l in record.read_text().splitlines() if "add_bos" not in l))
     rc, io = _main([*common, "job.max_steps=3", "resume=true", f"output_dir={out}"], capsys)
     assert rc == 2 and "resume those with data.add_bos=false" in io.err, io.err
     rc, io = _main([*common, "job.max_steps=3", "resume=true", "data.add_bos=false", f"output_dir={out}"], capsys)

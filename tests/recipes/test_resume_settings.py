@@ -1,0 +1,40 @@
+"""`lazytrain train output_dir=DIR resume=true` continues the run with the settings it was started
+with (Hydra's DIR/.hydra/overrides.yaml): none need repeating, and those given again win."""
+import json
+
+from lazytrain.cli import train as cli
+
+
+def _losses(out):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_a_resume_takes_the_runs_settings(base_overrides, tmp_path, capsys):
+    small = ["hardware.device_memory_gib=0.002", "hardware.workspace_gib=0.0001", "engine=lazytrain"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert cli.main([*base_overrides, *small, "job.max_steps=4", f"output_dir={whole}"]) == 0
+    assert cli.main([*base_overrides, *small, "job.max_steps=4", "stop_at_step=2", f"output_dir={part}"]) == 0
+    capsys.readouterr()
+    assert cli.main([f"output_dir={part}", "resume=true"]) == 0   # nothing else: the run's own settings
+    err = capsys.readouterr().err
+    assert "the run's settings from its .hydra/overrides.yaml" in err and "model=tiny-llama" in err
+    assert "stop_at_step" not in err.split("overrides.yaml:")[1]   # a planned stop is not taken over
+    assert _losses(part) == _losses(whole)
+    # a setting given again wins over the record (here: a longer run)
+    assert cli.main([f"output_dir={part}", "resume=true", "job.max_steps=5"]) == 0
+    assert [s for s, _ in _losses(part)] == [1, 2, 3, 4, 5]
+
+
+def test_no_record_leaves_the_command_line_as_it_is(base_overrides, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = [f"output_dir={out}", "resume=true", "job.max_steps=3"]
+    assert cli._with_run_settings(argv) == (argv, [])
+    (out / ".hydra").mkdir()
+    (out / ".hydra" / "overrides.yaml").write_text("{not: [a list")
+    assert cli._with_run_settings(argv) == (argv, [])   # unreadable: the checkpoint's checks decide
+    (out / ".hydra" / "overrides.yaml").write_text("- model=tiny-llama\n- job.max_steps=9\n- stop_at_step=2\n"
+                                                   "- +deepspeed.x=1\n")
+    got, taken = cli._with_run_settings(argv)
+    assert taken == ["model=tiny-llama", "+deepspeed.x=1"] and got == [*taken, *argv]
+    assert cli._with_run_settings([*argv, "--multirun"])[1] == []
