@@ -96,6 +96,12 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
                                router, int(m.num_experts), int(router.top_k), tensors))
     if not layers:
         cls = type(model).__name__
+        other = next((n for n in modules if n.rsplit(".", 1)[-1] in ("experts", "expert", "moe", "experts_mlp")), None)
+        if other is not None:   # (JetMoE, LongCat-Flash: experts of their own making)
+            raise NotMoeModelError(f"{cls} has no MoE experts layers lazytrain can stream: {other} "
+                                   f"({type(modules[other]).__name__}) is not transformers' fused experts layout "
+                                   f"(the experts-implementation interface Mixtral, Qwen-MoE, OLMoE and "
+                                   f"DeepSeek use); not supported")
         raise NotMoeModelError(f"{cls} has no MoE experts layers (nothing to stream); "
                                "use a Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE-style model")
     return layers

@@ -49,3 +49,19 @@ def test_a_rename_that_breaks_a_model_key_is_undone(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert generate(tmp_path / "store", prompt_ids=PROMPT, max_new_tokens=6, cache_fraction=1.0).token_ids \
         == _greedy(ref, PROMPT, 6)
+
+
+def test_experts_of_another_layout_are_named_in_the_refusal():
+    """JetMoE's experts are its own modules, not transformers' fused layout: the refusal names them
+    (review: "has no MoE experts layers" read as if the model had none)."""
+    import pytest
+
+    from lazytrain.moe.arch import NotMoeModelError, find_moe_layers
+
+    cfg = AutoConfig.for_model("jetmoe", hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+                               intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=128)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(NotMoeModelError, match=r"JetMoeForCausalLM has no MoE experts layers lazytrain can stream: "
+                                               r"model\.layers\.0\.\w+\.experts \(JetMoe\w+\) is not transformers' fused"):
+        find_moe_layers(model)
