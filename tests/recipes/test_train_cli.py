@@ -530,6 +530,8 @@ def test_model_types_without_formulas_plan_and_train(base_overrides, tmp_path, c
     assert [r["loss"] for r in recs["lazytrain"]] == pytest.approx([r["loss"] for r in recs["torch"]], rel=1e-5)
     plan = json.loads((tmp_path / "run-lazytrain" / "plan.json").read_text())
     assert any(d["param_tier"] != "device" for d in plan["layers"])   # it streams
+    assert any(line.startswith(f"model costs measured, not from formulas (no formulas for {arch}")
+               for line in plan["explanation"])
     for r in recs["lazytrain"]:
         # (at this toy size the fixed terms dominate: Llama's formula spec, the same run: 0.81)
         assert 0.7 <= r["device_peak_bytes"] / r["predicted_device_peak_bytes"] <= 1.0
