@@ -142,6 +142,7 @@ def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
     out = kv.get("output_dir", "")
     if kv.get("resume", "").lower() != "true" or out in NO_DIR or any(a in MULTIRUN_FLAGS for a in argv):
         return argv, []
+    out = _unquoted(f"output_dir={out}")   # (a sweep job's dir, optim.lr=0.003, must be quoted for Hydra)
     record = Path(out).expanduser() / ".hydra" / "overrides.yaml"
     if not record.is_file():
         return argv, []
@@ -153,9 +154,23 @@ def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
         return argv, []   # (the checkpoint's own checks still refuse another job)
     if not isinstance(saved, list):
         return argv, []
+    # a group chosen again (hardware=h200) takes its own values: the record's hardware.* are dropped
+    groups = {k for k in kv if "." not in k}
     taken = [a for a in saved if isinstance(a, str) and "=" in a and _key(a) not in kv
-             and _key(a) not in NOT_RESUMED and not _key(a).startswith(("hydra.", "hydra/"))]
+             and _key(a) not in NOT_RESUMED and not _key(a).startswith(("hydra.", "hydra/"))
+             and _key(a).split(".", 1)[0] not in groups]
     return taken + argv, taken
+
+
+def _unquoted(override: str) -> str:
+    """The value of `key=value` as Hydra reads it (quotes removed); the text after '=' if Hydra
+    cannot parse it (it reports that itself)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return str(OverridesParser.create().parse_overrides([override])[0].value())
+    except Exception:  # noqa: BLE001
+        return override.split("=", 1)[1]
 
 
 def main(argv: list[str] | None = None) -> int:

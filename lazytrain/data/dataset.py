@@ -330,14 +330,20 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tup
                 # template may close a conversation after its last message, as Phi-3 adds EOS,
                 # which a later turn does not follow), at least past its content.
                 agree = _common_prefix(through, full)
-                at = full.find(content, len(before), agree)
+                # the content as the template renders it: as it is, trimmed (Llama-3's, Gemma's
+                # `| trim`), or after its reasoning (DeepSeek-R1 renders content.split('</think>')[-1])
+                shown, at = content, -1
+                for shown in dict.fromkeys((content, content.strip(), content.split("</think>")[-1].strip())):
+                    at = full.find(shown, len(before), agree)
+                    if at >= 0:
+                        break
                 if not (through.startswith(before) and full.startswith(before) and at >= 0):
                     raise DataError(
                         f"{path}{where}: the chat template renders message {i} (assistant) differently "
                         f"once later messages follow it (templates that drop earlier turns' reasoning "
                         f"do this), so its tokens cannot be marked; put one assistant turn per row, or "
                         f"set data.chat_template=FILE to a template that renders earlier turns unchanged")
-                a, c, t = enc(before), enc(full[:at + len(content)]), enc(through)
+                a, c, t = enc(before), enc(full[:at + len(shown)]), enc(through)
                 if row[:len(a)] != a or row[:len(c)] != c or t[:len(c)] != c:
                     raise DataError(
                         f"{path}{where}: message {i} (assistant) does not start or end on a token "
@@ -578,7 +584,9 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
         h.update(len(b).to_bytes(8, "little"))
         h.update(b)
 
-    put(b"lazytrain-tokens-v3")   # v3: keyed by the whole tokenizer and per-file framing
+    # v3: keyed by the whole tokenizer and per-file framing; v4: text that starts with the BOS
+    # string gets no second BOS (data.add_bos, 2026-12-01): such documents' tokens changed
+    put(b"lazytrain-tokens-v4")
     put(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
     for name, content in _tokenizer_files(tokenizer):
         put(name.encode())

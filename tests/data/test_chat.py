@@ -202,3 +202,13 @@ def test_a_template_that_closes_the_conversation_marks_every_turn(tmp_path, chat
     assert [chat_tok.decode(s) for s in _spans(ids, learn)] == [
         "It iterates over a sequence.<|end|>\n",
         "Each item is assigned to the target list.<|end|>\n" + chat_tok.eos_token]
+
+
+def test_a_template_that_trims_the_content_marks_it(tmp_path, chat_tok):
+    """Llama-3's and Gemma's templates render `content | trim` (review: a trailing newline in the
+    content made the row refused)."""
+    chat_tok.chat_template = CHATML.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    f = _jsonl(tmp_path / "chats.jsonl", {"messages": [{"role": "user", "content": "Hi"},
+                                                       {"role": "assistant", "content": "Hello.\n"}]})
+    ids, learn = tokenize_chats([f], chat_tok, "messages")
+    assert [chat_tok.decode(s) for s in _spans(ids, learn)] == ["Hello.<|im_end|>\n"]

@@ -38,3 +38,23 @@ def test_no_record_leaves_the_command_line_as_it_is(base_overrides, tmp_path, ca
     got, taken = cli._with_run_settings(argv)
     assert taken == ["model=tiny-llama", "+deepspeed.x=1"] and got == [*taken, *argv]
     assert cli._with_run_settings([*argv, "--multirun"])[1] == []
+
+
+def test_a_group_chosen_again_drops_the_records_values_under_it(tmp_path):
+    """Review: `hardware=h200` on a resume kept the record's hardware.device_memory_gib=0.5 (the
+    old machine's figures, silently: the checkpoint does not compare hardware)."""
+    out = tmp_path / "run"
+    (out / ".hydra").mkdir(parents=True)
+    (out / ".hydra" / "overrides.yaml").write_text(
+        "- model=tiny-llama\n- hardware=cpu\n- hardware.device_memory_gib=0.5\n- job.seq_len=32\n")
+    _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true", "hardware=h200"])
+    assert taken == ["model=tiny-llama", "job.seq_len=32"]
+
+
+def test_a_sweep_jobs_quoted_dir_is_found(tmp_path):
+    """A sweep job's dir is named after its values (optim.lr=0.003), which Hydra needs quoted."""
+    out = tmp_path / "sweep" / "optim.lr=0.003"
+    (out / ".hydra").mkdir(parents=True)
+    (out / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.003\n- model=tiny-llama\n")
+    _, taken = cli._with_run_settings([f"output_dir='{out}'", "resume=true"])
+    assert taken == ["optim.lr=0.003", "model=tiny-llama"]
