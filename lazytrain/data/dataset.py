@@ -130,7 +130,7 @@ def _field_text(path: Path, lineno: int | str, field: str, key: str, value) -> s
     if not isinstance(value, str):
         what = _JSON_TYPES.get(type(value), type(value).__name__)
         raise DataError(f"{path}{at}: field {field!r} is {what}, not a string; {key} must name a "
-                        f"string field (render chat-style message lists to text first)")
+                        f"string field (chat-style message lists: data.messages_field names their field)")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -592,7 +592,7 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
         put(name.encode())
         put(content)
     fields = [tokenizer.eos_token_id, text_field, prompt_field]
-    # (the chat template is part of the tokenizer's files; the key of data read as before is unchanged)
+    # (the chat template is part of the tokenizer's files; the two fields keep v3's layout of the rest)
     if messages_field or bos is not None:
         fields += [messages_field, bos]
     put(json.dumps(fields).encode())

@@ -699,11 +699,18 @@ def interrupted_message(out: Path, at: dict[str, Any]) -> str:
         where = f"at step {at['step'] + 1} of {at['max_steps']}"
     last = ckpt.latest_checkpoint(out / "checkpoints")
     if last is None:
-        return (f"interrupted {where}; no checkpoint was written yet: resume=true output_dir={out} "
+        return (f"interrupted {where}; no checkpoint was written yet: resume=true {_dir_override(out)} "
                 f"starts again from step 0")
     n = last.name[len("step_"):].lstrip("0") or "0"
     return (f"interrupted {where}; the last checkpoint is step {n}: continue with resume=true "
-            f"output_dir={out}")
+            f"{_dir_override(out)}")
+
+
+def _dir_override(out: Path | str) -> str:
+    """`output_dir=DIR` as a command line takes it: quoted where Hydra would misread the path (a
+    sweep job's dir, optim.lr=0.003, holds '=')."""
+    s = str(out)
+    return f"output_dir='{s}'" if any(c in s for c in "=,[]{}()' ") else f"output_dir={s}"
 
 
 def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:
@@ -909,6 +916,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                     "dataset_tokens": ds.num_tokens, "max_steps": max_steps})
     if pre.eval_dataset is not None:
         summary["eval_sequences"] = len(pre.eval_dataset)
+        summary["eval_sequences_used"] = min(len(pre.eval_dataset), len(pre.eval_dataset) if eval_limit is None
+                                             else eval_limit * job.batch_size)
         if eval_losses:
             summary["eval_loss"] = eval_losses[-1][1]
             summary["eval_losses"] = eval_losses
@@ -918,7 +927,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     echo(format_summary(summary))
     if step < max_steps:   # stop_at_step: a planned pre-emption, continued with resume=true
         echo(f"stopped at step {step} of {max_steps} (stop_at_step={stop_at}); the checkpoint is saved: "
-             f"continue with resume=true output_dir={out}")
+             f"continue with resume=true {_dir_override(out)}")
     return summary
 
 
@@ -1039,7 +1048,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['tokens_per_s']:,.0f} tokens/s, median step {s['measured_step_time_s'] * 1e3:.0f} ms)",
         f"loss{span}: first {s['first_loss']:.3f} -> last {s['last_loss']:.3f}  "
         f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})"
-        + (f"\neval loss (held-out, {s['eval_sequences']} sequences): "
+        + (f"\neval loss (held-out, {s['eval_sequences_used']} of {s['eval_sequences']} sequences): "
            + ", ".join(f"step {k} {x:.3f}" for k, x in s["eval_losses"][-4:]) if s.get("eval_losses") else ""),
         f"step time: predicted {s['predicted_step_time_s'] * 1e3:.0f} ms, measured "
         f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "

@@ -46,13 +46,26 @@ def _build_meta(cfg: dict):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from transformers import CONFIG_MAPPING
+
     family = cfg["model_type"]
+    if family not in CONFIG_MAPPING:
+        raise ModelConfigError(f"model_type {family!r}: transformers does not know it")
+    # what a real config.json holds, under the standard name or the family's own (GPT-J's n_layer):
+    # transformers would fill a missing one with its default and plan another model
+    aliases = getattr(CONFIG_MAPPING[family], "attribute_map", {}) or {}
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if k not in cfg and aliases.get(k) not in cfg]
+    if missing:
+        raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        _count({k: cfg.get(k, cfg.get(aliases.get(k, k)))}, k)   # (a whole number >= 1, named)
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(family, **kw)
-    except (ValueError, KeyError) as e:
-        raise ModelConfigError(f"model_type {family!r}: transformers does not know it "
-                               f"({str(e).splitlines()[0][:160]})") from None
+    except Exception as e:  # noqa: BLE001 - its own validation (hidden size not divisible by heads, ...)
+        why = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise ModelConfigError(f"config ({family}): {why.removeprefix('ValueError: ')[:200]}") from None
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

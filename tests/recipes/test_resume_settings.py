@@ -58,3 +58,15 @@ def test_a_sweep_jobs_quoted_dir_is_found(tmp_path):
     (out / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.003\n- model=tiny-llama\n")
     _, taken = cli._with_run_settings([f"output_dir='{out}'", "resume=true"])
     assert taken == ["optim.lr=0.003", "model=tiny-llama"]
+
+
+def test_the_printed_resume_command_quotes_a_sweep_jobs_dir(tmp_path):
+    from lazytrain.recipes.train import _dir_override
+
+    assert _dir_override(tmp_path / "run") == f"output_dir={tmp_path / 'run'}"
+    job = tmp_path / "sweep" / "optim.lr=0.003"
+    assert _dir_override(job) == f"output_dir='{job}'"
+    argv = [_dir_override(job), "resume=true"]   # what the line prints is what finds the record
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.003\n")
+    assert cli._with_run_settings(argv)[1] == ["optim.lr=0.003"]

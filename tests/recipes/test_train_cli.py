@@ -440,6 +440,7 @@ def test_eval_files_evaluate_at_the_end(base_overrides, tmp_path, capsys):
     rc, io = _main([*base_overrides, "job.max_steps=3", f"data.eval_files=[{held}]", "eval_batches=2",
                     f"output_dir={out}"], capsys)
     assert rc == 0, io.err
+    assert "eval loss (held-out, 4 of " in io.out   # eval_batches=2 x batch 2 of the held-out sequences
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "eval_loss" in r] == [3]   # eval_every=0: only at the end
     assert json.loads((out / "summary.json").read_text())["eval_loss"] == recs[-1]["eval_loss"] > 0

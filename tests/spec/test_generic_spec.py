@@ -84,3 +84,18 @@ def test_family_key_names_are_read_through_the_config():
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, n_group=1, topk_group=1))
     assert ds.head_dim == 24 and [b.num_experts for b in ds.blocks] == [0, 8]
+
+
+def test_measured_types_check_their_config_as_the_families_do():
+    """Review: a config without num_hidden_layers planned transformers' default (44 blocks for
+    GPT-NeoX); 0 heads and heads that do not divide the width were tracebacks."""
+    base = dict(model_type="gpt_neox", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    with pytest.raises(ModelConfigError, match="config is missing required keys: num_hidden_layers"):
+        ModelSpec.from_hf_config({k: v for k, v in base.items() if k != "num_hidden_layers"})
+    with pytest.raises(ModelConfigError, match="config: num_attention_heads must be a whole number >= 1, got 0"):
+        ModelSpec.from_hf_config(dict(base, num_attention_heads=0))
+    with pytest.raises(ModelConfigError, match=r"config \(gpt_neox\): The hidden size is not divisible"):
+        ModelSpec.from_hf_config(dict(base, num_attention_heads=3))
+    # the family's own key names count (GPT-J's n_layer)
+    with pytest.raises(ModelConfigError, match="missing required keys: num_hidden_layers"):
+        ModelSpec.from_hf_config(dict(model_type="gptj", n_embd=64, n_head=4, vocab_size=128))
