@@ -44,9 +44,7 @@ def _cached(cfg_json: str, name: str | None) -> ModelSpec:
 
 def _build_meta(cfg: dict):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     family = cfg["model_type"]
     if family not in CONFIG_MAPPING:
