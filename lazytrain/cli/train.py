@@ -119,7 +119,7 @@ RESUME_NEEDS_OUTPUT_DIR = ("resume=true needs output_dir=DIR, the run to continu
 def _resume_without_output_dir(argv: list[str]) -> bool:
     """resume=true (on the command line; the config's default is false) with neither output_dir
     nor a fixed Hydra run/sweep dir."""
-    kv = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+    kv = _settings(argv)
     fixed = any(kv.get(k, "null") not in NO_DIR for k in ("hydra.run.dir", "hydra.sweep.dir"))
     return (kv.get("resume", "").lower() == "true" and not fixed
             and kv.get("output_dir", "null") in NO_DIR)
@@ -133,12 +133,17 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def _settings(argv: list[str]) -> dict[str, str]:
+    """key -> value text of the command line's `key=value` overrides (+/~ prefixes dropped)."""
+    return {_key(a): a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
+
+
 def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
     """(argv, the settings taken over): for `resume=true output_dir=DIR` (a single run), the
     overrides the run was started with (Hydra's DIR/.hydra/overrides.yaml) that this command line
     does not set again, put first, so that a resume needs no more than those two and whatever it
     changes (job.max_steps=...). Hydra then records the whole set for the next resume."""
-    kv = {_key(a): a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
+    kv = _settings(argv)
     out = kv.get("output_dir", "")
     if kv.get("resume", "").lower() != "true" or out in NO_DIR or any(a in MULTIRUN_FLAGS for a in argv):
         return argv, []

@@ -469,6 +469,9 @@ class PackedDataset:
                 raise DataError(f"no sequence of seq_len={seq_len} holds a completion token to learn "
                                 f"(are the prompts longer than job.seq_len?)")
             self.sequences, self.learn = self.sequences[keep], masks[keep]
+        self._reset_order()
+
+    def _reset_order(self) -> None:
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.long)
         self._fingerprint: str | None = None
@@ -514,16 +517,20 @@ class PackedDataset:
     def batch(self, position: int, batch_size: int) -> Batch:
         """`batch_size` consecutive sequences starting at `position`."""
         idx = [self._index(position + b) for b in range(batch_size)]
-        x = self.sequences[idx]  # [B, S] (a copy)
-        if self.learn is None:
-            return Batch(input_ids=x, labels=x.clone())
-        return Batch(input_ids=x, labels=torch.where(self.learn[idx], x, torch.full_like(x, -100)))
+        return self._batch_of(self.sequences[idx], None if self.learn is None else self.learn[idx])
+
+    @staticmethod
+    def _batch_of(x: torch.Tensor, learn: torch.Tensor | None) -> Batch:
+        """Input ids and labels of sequences `x` (-100 where `learn` is False)."""
+        labels = x.clone() if learn is None else torch.where(learn, x, torch.full_like(x, -100))
+        return Batch(input_ids=x, labels=labels)
 
     @classmethod
     def _of(cls, sequences: torch.Tensor, learn: torch.Tensor | None, seed: int) -> "PackedDataset":
+        """A dataset of these (already packed and filtered) sequences."""
         ds = cls.__new__(cls)
         ds.seq_len, ds.seed, ds.sequences, ds.learn = sequences.shape[1], seed, sequences, learn
-        ds._perm_epoch, ds._perm, ds._fingerprint = -1, torch.empty(0, dtype=torch.long), None
+        ds._reset_order()
         return ds
 
     def split_off(self, fraction: float) -> tuple["PackedDataset", "PackedDataset"]:
@@ -544,10 +551,8 @@ class PackedDataset:
         for k, start in enumerate(range(0, len(self), batch_size)):
             if limit is not None and k >= limit:
                 return
-            x = self.sequences[start:start + batch_size]
-            y = x.clone() if self.learn is None else torch.where(
-                self.learn[start:start + batch_size], x, torch.full_like(x, -100))
-            yield Batch(input_ids=x, labels=y)
+            yield self._batch_of(self.sequences[start:start + batch_size],
+                                 None if self.learn is None else self.learn[start:start + batch_size])
 
     def step_batches(self, position: int, batch_size: int, grad_accum: int) -> tuple[list[Batch], int]:
         """The micro-batches of one optimizer step and the position after it."""
@@ -591,11 +596,8 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
     for name, content in _tokenizer_files(tokenizer):
         put(name.encode())
         put(content)
-    fields = [tokenizer.eos_token_id, text_field, prompt_field]
-    # (the chat template is part of the tokenizer's files; the two fields keep v3's layout of the rest)
-    if messages_field or bos is not None:
-        fields += [messages_field, bos]
-    put(json.dumps(fields).encode())
+    # (the chat template is part of the tokenizer's files)
+    put(json.dumps([tokenizer.eos_token_id, text_field, prompt_field, messages_field, bos]).encode())
     for p in paths:
         put(b"jsonl" if is_jsonl(p) else b"text")
         put(p.read_bytes())

@@ -115,14 +115,19 @@ def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, d
     return non_expert, fused, split
 
 
+def read_hf_config(src: Path) -> dict:
+    """A model dir's config.json as a dict, with transformers' float markers decoded."""
+    if not (src / "config.json").is_file():
+        raise StoreError(f"model.path {src} has no config.json (is it a Hugging Face model directory?)")
+    return decode_json_floats(json.loads((src / "config.json").read_text()))
+
+
 def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Convert a local HF checkpoint directory (config.json + safetensors) into a store."""
     src = Path(hf_dir).expanduser()
-    if not (src / "config.json").is_file():
-        raise StoreError(f"model.path {src} has no config.json (is it a Hugging Face model directory?)")
+    hf_config = read_hf_config(src)
     if Path(out_dir).expanduser().resolve() == src.resolve():
         raise StoreError(f"out={out_dir} is model.path itself; convert into a directory of its own")
-    hf_config = decode_json_floats(json.loads((src / "config.json").read_text()))
     meta = build_meta_model(hf_config)
     layers = find_moe_layers(meta)
     expected = set(meta.state_dict().keys())

@@ -31,11 +31,10 @@ from torch import nn
 
 from .arch import MoeLayer, NotMoeModelError, build_meta_model, find_moe_layers
 from .cache import ExpertCache
-from .convert import check_store_source
+from .convert import check_store_source, read_hf_config
 from .policies import Forecast, make_policy
 from .predictor import Oracle, PredictorHeads, SpeculativeGate, TrainedPredictor
 from .stats import MoeCounters, MoeStats
-from ..spec.model import decode_json_floats
 from .store import ExpertStore, StoreError, StoreMismatchError
 
 _LOG = logging.getLogger(__name__)
@@ -345,8 +344,6 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
     host_cache_fraction / host_cache_slots: optional host-RAM tier (pinned on CUDA) between the device
     slots and NVMe, as a share of all experts or an exact slot count (which wins); 0 = no host tier.
     """
-    import json
-
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import GenerationConfig
@@ -368,9 +365,7 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         hf_config, src = store.hf_config, store.dir
         if model_path is not None:
             src = Path(model_path).expanduser()
-            if not (src / "config.json").is_file():
-                raise StoreError(f"model.path {src} has no config.json")
-            hf_config = decode_json_floats(json.loads((src / "config.json").read_text()))
+            hf_config = read_hf_config(src)
         model = build_meta_model(hf_config)
         find_moe_layers(model)                 # NotMoeModelError before anything else
         # from_config derives the generation config from config.json alone; the checkpoint's

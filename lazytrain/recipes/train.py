@@ -228,15 +228,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     template = cfg.data.get("chat_template")
     if template:
         tokenizer.chat_template = read_chat_template(Path(str(template)).expanduser())
-    cache = cfg.data.get("cache_dir")
-    prompt_field = cfg.data.get("prompt_field")
-    messages_field = cfg.data.get("messages_field")
-    ds = build_dataset(files, tokenizer, job.seq_len, seed=int(cfg.seed), text_field=str(cfg.data.text_field),
-                       cache_dir=Path(str(cache)).expanduser() if cache else None,
-                       prompt_field=str(prompt_field) if prompt_field else None,
-                       messages_field=str(messages_field) if messages_field else None,
-                       add_bos=cfg.data.get("add_bos", "auto"))
-    ds, eval_ds = eval_split(cfg, ds, tokenizer, job.seq_len)
+    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len), tokenizer, job.seq_len)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
@@ -254,6 +246,16 @@ def preflight(cfg: DictConfig) -> Preflight:
     return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes, ds_over, eval_ds)
 
 
+def dataset_of(cfg: DictConfig, files, tokenizer, seq_len: int) -> PackedDataset:
+    """`files` read and packed as the data config says (fields, BOS, token cache)."""
+    d = cfg.data
+    cache = d.get("cache_dir")
+    fields = {k: str(d.get(k)) if d.get(k) else None for k in ("prompt_field", "messages_field")}
+    return build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
+                         cache_dir=Path(str(cache)).expanduser() if cache else None,
+                         add_bos=d.get("add_bos", "auto"), **fields)
+
+
 def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
                ) -> tuple[PackedDataset, PackedDataset | None]:
     """(training data, evaluation data or None): data.eval_files, read as the training files are,
@@ -268,12 +270,8 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
         return ds.split_off(float(frac))
     if not files:
         return ds, None
-    cache = d.get("cache_dir")
-    fields = {k: str(d.get(k)) if d.get(k) else None for k in ("prompt_field", "messages_field")}
     try:
-        return ds, build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
-                                 cache_dir=Path(str(cache)).expanduser() if cache else None,
-                                 add_bos=d.get("add_bos", "auto"), **fields)
+        return ds, dataset_of(cfg, files, tokenizer, seq_len)
     except DataError as e:
         raise DataError(f"data.eval_files: {e}") from None
 
@@ -283,7 +281,7 @@ def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) ->
     its learned tokens), with the engine's current weights."""
     total, count = 0.0, 0
     for b in data.ordered_batches(batch_size, limit):
-        n = int((b.labels[:, 1:] != -100).sum())   # (the model shifts the labels)
+        n = learned_targets(b.labels)
         if n:
             total += engine.eval_loss(b.input_ids, b.labels) * n
             count += n
@@ -636,6 +634,11 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
             os.close(fd)   # (releases the output_dir's lock)
 
 
+def learned_targets(labels: torch.Tensor) -> int:
+    """How many tokens of a [B, S] label batch the loss learns (the model shifts the labels)."""
+    return int((labels[:, 1:] != -100).sum())
+
+
 def token_weights(labels: list[torch.Tensor]) -> list[float] | None:
     """Each micro-batch's weight in the step's loss (all ranks' micro-batches, in order), so that
     the step minimises the mean over every learned token, not the mean of the micro-batches' means
@@ -643,7 +646,7 @@ def token_weights(labels: list[torch.Tensor]) -> list[float] | None:
     accum 1 and 2 x 2 gave other losses on the same sequences. Weight k = n * tokens_k / tokens
     (engines average over the n micro-batches, ranks included); None when every micro-batch learns
     as many tokens (all weights 1: the plain mean, bit for bit)."""
-    counts = [int((y[:, 1:] != -100).sum()) for y in labels]   # (the model shifts the labels)
+    counts = [learned_targets(y) for y in labels]
     total = sum(counts)
     if total == 0 or len(set(counts)) == 1:
         return None
@@ -916,8 +919,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                     "dataset_tokens": ds.num_tokens, "max_steps": max_steps})
     if pre.eval_dataset is not None:
         summary["eval_sequences"] = len(pre.eval_dataset)
-        summary["eval_sequences_used"] = min(len(pre.eval_dataset), len(pre.eval_dataset) if eval_limit is None
-                                             else eval_limit * job.batch_size)
+        summary["eval_sequences_used"] = len(pre.eval_dataset) if eval_limit is None else \
+            min(len(pre.eval_dataset), eval_limit * job.batch_size)
         if eval_losses:
             summary["eval_loss"] = eval_losses[-1][1]
             summary["eval_losses"] = eval_losses

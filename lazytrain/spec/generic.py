@@ -7,7 +7,7 @@ eight families): measured from the model itself, not modelled.
 - parameters are counted per layer; the linear layers (and 3-D expert weights) give the matmul
   FLOPs and the LoRA targets;
 - what a block saves for backward is measured: one block of each kind (type and parameter shapes)
-  is made for real in bf16 on the CPU with zero weights and run forward at two sequence lengths
+  is made for real once in bf16 on the CPU with zero weights and run forward at two sequence lengths
   with saved-tensor hooks, counting every distinct storage that is neither a weight nor one of the
   step's shared arguments (rotary tables, masks; the step context holds those). The two lengths
   separate what grows per token from what grows per token x sequence (an eager attention's
@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from typing import Any
 
 from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count, _sliding_window
 
@@ -92,17 +91,24 @@ def _materialise_context(parts) -> None:
                     sub.original_inv_freq = inv
 
 
-def _saved_bytes(block, kwargs: dict, hidden: int, seq: int) -> int:
-    """Bytes a real copy of `block` (zero weights, bf16, CPU) saves for backward on [1, seq] tokens."""
+def _real_copy(block):
+    """`block` made for real on the CPU (bf16) with zero weights and buffers."""
     import torch
-
-    from ..models.adapter import run_block
 
     real = copy.deepcopy(block).to_empty(device="cpu")
     with torch.no_grad():
         for t in (*real.parameters(), *real.buffers()):
             if t.is_floating_point():
                 t.zero_()
+    return real
+
+
+def _saved_bytes(real, kwargs: dict, hidden: int, seq: int) -> int:
+    """Bytes block `real` (a `_real_copy`) saves for backward on [1, seq] tokens."""
+    import torch
+
+    from ..models.adapter import run_block
+
     weights = {p.untyped_storage().data_ptr() for p in real.parameters()}
     ctx = {t.untyped_storage().data_ptr() for v in kwargs.values()
            for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)}
@@ -118,7 +124,7 @@ def _saved_bytes(block, kwargs: dict, hidden: int, seq: int) -> int:
     x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run_block(real, x, kwargs)
-    del out, real
+    del out
     return sum(seen.values())
 
 
@@ -191,7 +197,9 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         kind = (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
                 tuple(sorted((a, tuple(v.shape)) for a, v in kw[s2][i].items() if isinstance(v, torch.Tensor))))
         if kind not in measured:
-            b1, b2 = (_saved_bytes(block, kw[s][i], H, s) for s in (s1, s2))
+            real = _real_copy(block)   # (one copy for both lengths)
+            b1, b2 = (_saved_bytes(real, kw[s][i], H, s) for s in (s1, s2))
+            del real
             quad = max(0, round((b2 / s2 - b1 / s1) / (s2 - s1))) if s2 > s1 else 0
             measured[kind] = (max(0, round(b1 / s1 - quad * s1)), quad)
         per_token, per_token_seq = measured[kind]
