@@ -11,6 +11,7 @@ without Hydra's run machinery, so bad input prints one line and exits 2 with not
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import sys
@@ -164,7 +165,58 @@ def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
     taken = [a for a in saved if isinstance(a, str) and "=" in a and _key(a) not in kv
              and _key(a) not in NOT_RESUMED and not _key(a).startswith(("hydra.", "hydra/"))
              and _key(a).split(".", 1)[0] not in groups]
+    cwd = _recorded_cwd(record.parent / "hydra.yaml")
+    if cwd is not None and cwd != Path.cwd():
+        taken = [_rerooted(a, cwd) for a in taken]
     return taken + argv, taken
+
+
+# settings that name files or dirs: relative ones in a run's record are taken from where it started
+PATH_KEYS = ("model.path", "data.files", "data.eval_files", "data.tokenizer", "data.chat_template",
+             "data.cache_dir", "storage.nvme_dir", "planner.cache_dir", "deepspeed_config")
+
+
+def _recorded_cwd(hydra_yaml: Path) -> Path | None:
+    """The directory the run was started from (Hydra's hydra.runtime.cwd), or None."""
+    import yaml
+
+    try:
+        cwd = yaml.safe_load(hydra_yaml.read_text())["hydra"]["runtime"]["cwd"]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return Path(cwd) if isinstance(cwd, str) and os.path.isabs(cwd) else None
+
+
+def _rerooted(override: str, cwd: Path) -> str:
+    """`key=value` with the relative paths of a path setting (PATH_KEYS) made absolute under `cwd`,
+    the run's starting dir: a resume from another dir reads the run's own files. Other settings,
+    absolute paths, `~` paths and values Hydra cannot parse are left as they are."""
+    if _key(override) not in PATH_KEYS:
+        return override
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        value = OverridesParser.create().parse_overrides([override])[0].value()
+    except Exception:  # noqa: BLE001 (Hydra reports it itself when it parses the command line)
+        return override
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) for v in items):
+        return override   # (null, numbers)
+
+    def fix(v: str) -> str:
+        return v if not v or os.path.isabs(v) or v.startswith("~") else str(cwd / v)
+
+    fixed = [fix(v) for v in items]
+    if fixed == items:
+        return override
+    text = "[" + ",".join(map(_quoted, fixed)) + "]" if isinstance(value, list) else _quoted(fixed[0])
+    return override.split("=", 1)[0] + "=" + text
+
+
+def _quoted(v: str) -> str:
+    """`v` as a single-quoted Hydra value (backslashes escape only before a quote or at the end)."""
+    v = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", v)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v) + "'"
 
 
 def _unquoted(override: str) -> str:

@@ -70,3 +70,54 @@ def test_the_printed_resume_command_quotes_a_sweep_jobs_dir(tmp_path):
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.003\n")
     assert cli._with_run_settings(argv)[1] == ["optim.lr=0.003"]
+
+
+def test_relative_paths_in_the_record_resolve_from_where_the_run_started(base_overrides, tmp_path,
+                                                                           monkeypatch, capsys):
+    """A run started in one dir with relative data/tokenizer paths is resumed from another: the
+    record's relative paths are taken from the run's starting dir (Hydra's hydra.runtime.cwd), not
+    the current one (before: a missing-file error, or another dir's file of the same name)."""
+    data, tok = (a.split("=", 1)[1] for a in base_overrides if a.startswith(("data.files=", "data.tokenizer=")))
+    data = data.strip("[]")
+    start = tmp_path / "start dir"
+    (start / "corpus").mkdir(parents=True)
+    (start / "corpus" / "notes.txt").write_bytes(open(data, "rb").read())
+    (start / "tok").symlink_to(tok)
+    rel = [a for a in base_overrides if not a.startswith(("data.files=", "data.tokenizer="))]
+    rel += ["data.files=[corpus/notes.txt]", "data.tokenizer=tok"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    monkeypatch.chdir(start)
+    assert cli.main([*rel, "job.max_steps=4", f"output_dir={whole}"]) == 0
+    assert cli.main([*rel, "job.max_steps=4", "stop_at_step=2", f"output_dir={part}"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "corpus").mkdir(parents=True)
+    (elsewhere / "corpus" / "notes.txt").write_text("other text " * 200)   # same name, other data
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli.main([f"output_dir={part}", "resume=true"]) == 0
+    err = capsys.readouterr().err
+    assert f"data.files=['{start}/corpus/notes.txt']" in err and f"data.tokenizer='{start}/tok'" in err
+    assert _losses(part) == _losses(whole)
+
+
+def test_rerooting_keeps_other_settings_and_quotes_paths(tmp_path):
+    out = tmp_path / "run"
+    (out / ".hydra").mkdir(parents=True)
+    (out / ".hydra" / "overrides.yaml").write_text(
+        "- model.path=m\n- data.files=[a.txt,/abs/b.txt,'~/c.txt']\n- optim.lr=0.1\n- data.cache_dir=null\n"
+        "- data.chat_template=\"it's.jinja\"\n")
+    (out / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    cwd: /the start\n")
+    _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true"])
+    assert taken == ["model.path='/the start/m'", "data.files=['/the start/a.txt','/abs/b.txt','~/c.txt']",
+                     "optim.lr=0.1", "data.cache_dir=null", "data.chat_template='/the start/it\\'s.jinja'"]
+    (out / ".hydra" / "hydra.yaml").write_text("hydra: [broken")
+    _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true"])
+    assert taken[0] == "model.path=m"   # no readable record of the start dir: as given
+
+
+def test_hydra_quoting_round_trips():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for v in ["it's.txt", "x\\y", "x\\'y", "end\\", "a b,c[d]=e", "q''", "é ü"]:
+        assert parser.parse_overrides(["k=" + cli._quoted(v)])[0].value() == v
