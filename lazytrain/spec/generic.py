@@ -17,8 +17,11 @@ eight families): measured from the model itself, not modelled.
 - the head (final norm, lm_head, loss) is the families' (the structure finder has checked that the
   model's loss is exactly that).
 
-Attention FLOPs assume every block attends over the whole sequence (num_attention_heads x
-head_dim); blocks of linear-attention or state-space hybrids are over-counted there.
+Attention FLOPs: num_attention_heads x head_dim over the whole (causal) sequence for every block
+the config's `layer_types` (transformers' names) does not mark as one without softmax attention
+(`linear_attention`: Mamba, Gated DeltaNet, ...; `conv`; `mlp`/`moe`-only blocks of Nemotron-H),
+which get none: a hybrid's linear blocks cost what their linears do. Sliding-window blocks are
+counted over the whole sequence (what SDPA with an explicit mask computes).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import json
 
 from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count, _sliding_window
 
+# transformers' `layer_types` of blocks without softmax attention (no seq x seq term)
+NO_SOFTMAX_ATTENTION = ("linear_attention", "mamba", "conv", "mlp", "moe")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "experts_per_token")
 
 
@@ -154,6 +159,8 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         (getattr(config, "qk_nope_head_dim", 0) or 0)
     hd = int(qk) if qk else _count(std, "head_dim", H // nh)
     window, sliding = _sliding_window(cfg, family, L)
+    types = getattr(config, "layer_types", None)
+    types = list(types) if isinstance(types, (list, tuple)) and len(types) == L else [None] * L
     # two lengths below any attention window (past it the cost model adds the explicit mask itself)
     s2 = 64 if not window or window > 64 else max(2, window - 1)
     s1 = max(1, s2 // 2)
@@ -205,7 +212,8 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         per_token, per_token_seq = measured[kind]
         layers.append(LayerSpec(
             name=f"block.{i}", kind="block", index=i + 1, param_count=params, active_param_count=active,
-            matmul_flops_fwd_per_token=2 * matmul, attn_flops_fwd_per_token_per_seq=2 * nh * hd,
+            matmul_flops_fwd_per_token=2 * matmul,
+            attn_flops_fwd_per_token_per_seq=0 if types[i] in NO_SOFTMAX_ATTENTION else 2 * nh * hd,
             saved_bytes_per_token={"measured": per_token}, linears=tuple(linears),
             num_experts=E, experts_per_token=k, expert_param_count=expert_params,
             saved_bytes_per_token_per_seq=per_token_seq))

@@ -51,6 +51,23 @@ def test_other_model_types_are_measured_and_planned():
     assert json.loads(spec.to_json())["family"] == "gemma3_text"
 
 
+def test_hybrid_linear_blocks_have_no_attention_flops():
+    """Qwen3-Next's Gated DeltaNet blocks (layer_types linear_attention) have no seq x seq term:
+    only its full-attention blocks are charged attention FLOPs (before: every block was)."""
+    cfg = dict(model_type="qwen3_next", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+               linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+               layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    spec = ModelSpec.from_hf_config(cfg)
+    assert [b.attn_flops_fwd_per_token_per_seq for b in spec.blocks] == [0, 0, 0, 2 * 4 * 16]
+    assert all(b.matmul_flops_fwd_per_token > 0 for b in spec.blocks)
+    # so a long sequence costs the linear blocks only their linears: per-token FLOPs flat in seq_len
+    lin = spec.blocks[0]
+    assert lin.flops_fwd(1, 8192) == lin.flops_fwd(1, 64)
+    assert spec.blocks[3].flops_fwd(1, 8192) > spec.blocks[3].flops_fwd(1, 64)
+
+
 def test_eager_attention_saves_per_token_and_sequence():
     """An eager attention keeps its [heads, seq, seq] probabilities: the measured spec carries that
     as bytes per token x sequence, which the cost model multiplies by seq_len."""
