@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..integrations.ds_config import default_nvme_dir, ds_config_from_plan, uses_nvme, whole
+from ..integrations.ds_config import default_nvme_dir, ds_config_from_plan, pinned_swap_note, uses_nvme, whole
 from ..plan.plan import Plan
 
 
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvme_dir is None and uses_nvme(cfg):
         print(f"note: NVMe offload writes to {default_nvme_dir()} (the default); --nvme-dir DIR puts it "
               f"on the drive you mean")
+    pinned = pinned_swap_note(cfg, plan)
+    if pinned is not None:
+        print(("warning: " if pinned[1] else "note: ") + pinned[0])
     if "gradient_clipping" not in cfg:   # (the plan clips, but its threshold is the recipe's setting)
         print("note: DeepSpeed clips at its default gradient_clipping=1.0 (lazytrain train's "
               "optim.max_grad_norm default); --set gradient_clipping=X for the threshold your run uses")

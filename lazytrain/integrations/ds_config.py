@@ -222,3 +222,84 @@ def _nvme_buffer_size(plan: Plan) -> int:
         return int(largest_param_numel(plan.model_config))
     except Exception:
         return 100_000_000   # DeepSpeed's default; works for hidden*vocab up to 1e8
+
+
+def _trainable_sizes(plan: Plan, spec) -> list[int]:
+    """Element counts of the trainable parameters in model order (full: embedding, each block's
+    linears and the rest of its parameters, final norm, an untied head; LoRA: each targeted linear's
+    A and B), as DeepSpeed walks them into optimizer sub-groups."""
+    job = plan.job
+    if job.mode == "lora":
+        targets, r = tuple(job.lora_targets), job.lora_rank
+        return [n for layer in spec.layers for lin in layer.linears if lin.name.split(".")[-1] in targets
+                for n in (lin.count * r * lin.in_features, lin.count * r * lin.out_features)]
+    sizes: list[int] = []
+    for layer in spec.layers:
+        mats = [lin.in_features * lin.out_features * max(1, lin.count) for lin in layer.linears]
+        if layer.kind == "embed":
+            mats = [layer.param_count]
+        sizes += mats + ([layer.param_count - sum(mats)] if layer.param_count > sum(mats) else [])
+    return sizes
+
+
+def _largest_sub_group(sizes: list[int], sub_group_size: int) -> int:
+    """DeepSpeed ZeRO-3's split (stage3._create_fp16_sub_groups): parameters are added to a group
+    until it holds sub_group_size elements or more."""
+    best = cur = 0
+    for n in sizes:
+        cur += n
+        if cur >= sub_group_size:
+            best, cur = max(best, cur), 0
+    return max(best, cur)
+
+
+def pinned_swap_buffers(cfg: Mapping[str, Any], plan: Plan) -> list[tuple[str, int, str]]:
+    """DeepSpeed's NVMe swap buffers in a config: (section, bytes, how), page-locked host memory
+    ZeRO-Infinity allocates when it starts, on top of everything else the run holds in host memory.
+    - offload_param on NVMe: `buffer_count` buffers of `buffer_size` elements in the compute dtype
+      (partitioned_param_swapper; buffer_size must hold the largest parameter);
+    - offload_optimizer on NVMe: `buffer_count` fp32 buffers of the largest optimizer sub-group
+      (optimizer_utils.SwapBufferManager; trainable parameters gathered in model order until a group
+      reaches `sub_group_size`; estimated from the model spec, its small tensors lumped per layer).
+    Empty when the model config cannot be described or nothing goes to NVMe."""
+    zero = cfg.get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        return []
+    try:
+        from ..spec import ModelSpec
+        spec = ModelSpec.from_hf_config(dict(plan.model_config))
+    except Exception:  # noqa: BLE001 - a hand-made plan with a partial config: nothing to say
+        return []
+    out: list[tuple[str, int, str]] = []
+    half = any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16"))
+    par = zero.get("offload_param")
+    if isinstance(par, Mapping) and par.get("device") == "nvme":
+        n, size, e = int(par.get("buffer_count", 5)), int(par.get("buffer_size", 100_000_000)), 2 if half else 4
+        out.append(("offload_param", n * size * e, f"buffer_count {n} x buffer_size {size:,} x {e} B"))
+    opt = zero.get("offload_optimizer")
+    if isinstance(opt, Mapping) and opt.get("device") == "nvme":
+        numel = _largest_sub_group(_trainable_sizes(plan, spec), int(zero.get("sub_group_size", 1_000_000_000)))
+        n = int(opt.get("buffer_count", 4))
+        out.append(("offload_optimizer", n * numel * 4,
+                    f"buffer_count {n} x {numel:,} elements (the largest sub-group) x 4 B"))
+    return out
+
+
+def pinned_swap_note(cfg: Mapping[str, Any], plan: Plan) -> tuple[str, bool] | None:
+    """(a line saying how much page-locked host memory DeepSpeed's NVMe swap buffers take, whether
+    that is more than the host can spare: hardware.host_memory_gib less host_reserve_gib), or None."""
+    bufs = pinned_swap_buffers(cfg, plan)
+    if not bufs:
+        return None
+    total = sum(b for _, b, _ in bufs)
+    hw = plan.hardware
+    spare = (hw.host_memory_gib - hw.host_reserve_gib) * 2**30
+    parts = "; ".join(f"{sec}: {b / 2**30:.2f} GiB ({how})" for sec, b, how in bufs)
+    over = total > spare
+    line = (f"DeepSpeed's NVMe swap buffers pin {total / 2**30:.2f} GiB of host memory ({parts})")
+    if over:
+        line += (f", more than this host's {spare / 2**30:.0f} GiB (hardware.host_memory_gib - host_reserve_gib): "
+                 f"lower zero_optimization.offload_param.buffer_count (buffer_size must stay >= the "
+                 f"largest parameter, {largest_param_numel(plan.model_config):,}), "
+                 f"zero_optimization.sub_group_size or offload_optimizer.buffer_count")
+    return line, over

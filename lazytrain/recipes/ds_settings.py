@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ..cli.config import ConfigError
-from ..integrations.ds_config import deep_merge, ds_config_from_plan, uses_nvme, whole
+from ..integrations.ds_config import deep_merge, ds_config_from_plan, pinned_swap_note, uses_nvme, whole
 from ..plan.plan import Plan
 from .engines import EngineUnavailable
 
@@ -115,8 +115,10 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
 def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str | None) -> list[str]:
     """The config DeepSpeed will be given, checked by DeepSpeed's own parser: a bad value, or a
     misspelt key in a section DeepSpeed validates, is a ConfigError now rather than a traceback after
-    the model is built; NVMe offload without DeepSpeed's async_io op is one too. Returns notes for
-    your keys its parser never reads (misspelt, or read only later by the engine). Skipped when
+    the model is built; NVMe offload without DeepSpeed's async_io op is one too, and NVMe swap
+    buffers that would pin more host memory than the hardware config has to spare. Returns notes:
+    how much the swap buffers pin, and your keys its parser never reads (misspelt, or read only
+    later by the engine). Skipped when
     DeepSpeed is not importable: the engine reports that when it starts."""
     try:
         from deepspeed.runtime.config import DeepSpeedConfig
@@ -126,6 +128,13 @@ def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str 
         return []
     cfg, _ = ds_config_from_plan(plan, overrides=overrides, nvme_dir=nvme_dir)
     cfg.pop("lazytrain", None)
+    notes = []
+    pinned = pinned_swap_note(cfg, plan)
+    if pinned is not None:
+        line, over = pinned
+        if over:   # (DeepSpeed would allocate them at start: the run killed, or the host swapping)
+            raise ConfigError(f"deepspeed: {line}")
+        notes.append(f"deepspeed: {line}")
     if uses_nvme(cfg) and (msg := check_available(nvme=True)):
         raise EngineUnavailable(msg)
     try:
@@ -134,8 +143,8 @@ def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str 
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()][:3]
         raise ConfigError(f"deepspeed: DeepSpeed rejects the config ({'; '.join(lines) or type(e).__name__})") from None
     unread = _unread_by_deepspeed(cfg, overrides, DeepSpeedConfig)
-    return [f"deepspeed: DeepSpeed's config parser does not read {k} (misspelt?); DeepSpeed may "
-            f"ignore it" for k in unread]
+    return notes + [f"deepspeed: DeepSpeed's config parser does not read {k} (misspelt?); DeepSpeed may "
+                    f"ignore it" for k in unread]
 
 
 class _ReadRecorder(dict):

@@ -224,6 +224,15 @@ def test_nvme_export_is_accepted_and_trains(tmp_path):
     # scripts/bench_vs_deepspeed.py reports the bytes a real model puts there)
     assert tr.engine.optimizer.swap_optimizer and tr.engine.zero_offload_param().device == "nvme"
     assert (tmp_path / "nvme" / "zero_stage_3" / "optimizer").is_dir()
+    # the pinned swap buffers lazytrain reports are the ones DeepSpeed allocated (up to its I/O
+    # alignment of the optimizer's buffers)
+    from lazytrain.integrations.ds_config import pinned_swap_buffers
+    est = dict((sec, b) for sec, b, _ in pinned_swap_buffers(cfg, plan))
+    swapper = next(model.parameters()).nvme_swapper
+    assert est["offload_param"] == swapper.buffers.numel() * swapper.buffers.element_size()
+    m = tr.engine.optimizer.optimizer_swapper.swap_buffer_manager
+    got = m.count * m.num_elems * m.all_buffers[0].element_size()
+    assert est["offload_optimizer"] <= got <= est["offload_optimizer"] + m.count * 1024
     tr.close()
     x, y = data[0]
     with torch.no_grad():

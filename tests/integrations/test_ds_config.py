@@ -125,3 +125,40 @@ def test_largest_parameter_counts_fused_experts_as_one():
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf["model_type"], **{
             k: v for k, v in hf.items() if k != "model_type"}))
     assert largest_param_numel(hf) == max(p.numel() for p in model.parameters())
+
+
+def test_nvme_swap_buffers_are_counted_in_pinned_host_memory():
+    """ZeRO-Infinity's swap buffers are page-locked host memory allocated at start: buffer_count x
+    buffer_size in the compute dtype for parameters (32 x the largest parameter here: 31 GiB for an
+    8B model's embedding), buffer_count x the largest fp32 sub-group for the optimizer."""
+    from lazytrain.integrations.ds_config import _largest_sub_group, pinned_swap_buffers, pinned_swap_note
+    assert _largest_sub_group([5, 5, 5, 1], 8) == 10 and _largest_sub_group([3], 8) == 3
+    assert _largest_sub_group([9, 1, 1], 8) == 9
+    llama8b = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    nvme = {"zero_optimization": {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}}
+    plan = make_plan(llama8b)
+    cfg, _ = ds_config_from_plan(plan, overrides=nvme)
+    (p_sec, p_bytes, _), (o_sec, o_bytes, _) = pinned_swap_buffers(cfg, plan)
+    assert p_sec == "offload_param" and p_bytes == 32 * 128256 * 4096 * 2   # bf16
+    # sub-groups fill to sub_group_size (1e9): the embedding plus blocks up to ~1e9 + one matrix
+    assert o_sec == "offload_optimizer" and 4 * 4 * 1e9 <= o_bytes <= 4 * 4 * (1e9 + 14336 * 4096)
+    line, over = pinned_swap_note(cfg, plan)
+    assert "buffer_count 32 x buffer_size 525,336,576 x 2 B" in line
+    assert over and "more than this host's 20 GiB" in line   # (make_plan's CPU profile: 23.5 - 4 GiB)
+    # LoRA: only the adapters are in the optimizer's sub-groups
+    lora = make_plan(llama8b, job=JobSpec(batch_size=1, seq_len=32, mode="lora"))
+    cfg, _ = ds_config_from_plan(lora, overrides=nvme)
+    o_bytes = pinned_swap_buffers(cfg, lora)[1][1]
+    assert o_bytes == 4 * 4 * _lora_total(llama8b, lora.job)   # (all adapters in one sub-group)
+    # more than the host can spare is said, with what to lower
+    cfg, _ = ds_config_from_plan(make_plan(), overrides={"zero_optimization": {
+        "offload_param": {"device": "nvme", "buffer_count": 10**6}}})
+    line, over = pinned_swap_note(cfg, make_plan())
+    assert over and "offload_param.buffer_count" in line and "sub_group_size" in line
+    assert pinned_swap_buffers(ds_config_from_plan(make_plan())[0], make_plan()) == []   # nothing on NVMe
+
+
+def _lora_total(model_config, job):
+    from lazytrain.spec import ModelSpec
+    return ModelSpec.from_hf_config(dict(model_config)).lora_param_count(job.lora_rank, tuple(job.lora_targets))

@@ -149,3 +149,22 @@ def test_settings_reach_deepspeed_and_are_recorded(base_overrides, tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     # ZeRO-3 swapped F.linear process-wide for its own; what runs next in the process must not inherit it
     assert torch.nn.functional.linear is linear
+
+
+def test_swap_buffers_beyond_the_hosts_memory_are_refused_in_preflight(base_overrides, tmp_path):
+    """NVMe swap buffers are pinned host memory DeepSpeed allocates at start: more than the host
+    has to spare is an error before anything is written (what they pin is a note otherwise)."""
+    pytest.importorskip("deepspeed.runtime.config")
+    out = tmp_path / "run"
+    nvme = ["+deepspeed.zero_optimization.offload_param.device=nvme"]
+    with pytest.raises(ConfigError, match=r"swap buffers pin .* GiB of host memory.*more than this host's"
+                                          r".*lower zero_optimization.offload_param.buffer_count"):
+        preflight(_cfg(*base_overrides, "engine=deepspeed", f"output_dir={out}", *nvme,
+                       "+deepspeed.zero_optimization.offload_param.buffer_count=1000000"))
+    assert not out.exists()
+    try:
+        pre = preflight(_cfg(*base_overrides, "engine=deepspeed", f"output_dir={out}", *nvme))
+    except Exception as e:   # (no async_io op here: the NVMe offload itself is refused after the check)
+        assert "async_io" in str(e) or "libaio" in str(e), e
+        return
+    assert any("swap buffers pin" in n for n in pre.notes)
