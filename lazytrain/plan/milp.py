@@ -185,6 +185,8 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         vs = {}
         for j in range(N):
             allowed = tiers if (pinned is None or pinned[j] is None) else [pinned[j]]
+            if not set(allowed) <= set(tiers):   # (NVMe off: solve.pins_for maps a heuristic's to host)
+                raise ValueError(f"{prefix}: layer {j} pinned to {pinned[j]!r}, not one of {tiers}")
             for t in allowed:
                 vs[j, t] = pulp.LpVariable(f"{prefix}_{j}_{t}", cat=B)
             prob.addConstraint(pulp.lpSum(vs[j, t] for t in allowed) == 1, f"{prefix}_one_{j}")
