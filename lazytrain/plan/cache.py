@@ -4,6 +4,7 @@ replaced by the re-solved plan)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -19,6 +20,25 @@ log = logging.getLogger(__name__)
 
 
 TIERS = tuple(t.value for t in Tier)
+
+
+# a cache entry's checksum of everything else in it (Plan.from_dict ignores the key): any edit or
+# bit flip, of fields the replay below cannot re-derive too (status, tokens/s, solver, explanation)
+CHECKSUM_KEY = "entry_sha256"
+
+
+def _checksum(d: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in d.items() if k != CHECKSUM_KEY},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def _checksum_damage(text: str) -> str:
+    d = json.loads(text)
+    if CHECKSUM_KEY not in d:
+        return "no checksum (written before 2026-12-01, or by hand)"
+    if d[CHECKSUM_KEY] != _checksum(d):
+        return "its contents do not match its checksum (edited or damaged)"
+    return ""
 
 
 def _damage(plan: Plan, asked_hash: str | None = None) -> str:
@@ -104,7 +124,8 @@ class PlanCache:
         if not p.is_file():
             return None
         try:
-            plan = Plan.from_json(p.read_text())
+            text = p.read_text()
+            plan = Plan.from_json(text)
         except OSError as e:   # e.g. another user's entry this one may not read: the cache only saves time
             log.warning("ignoring unreadable plan cache entry %s (%s); re-solving", p, e.strerror or e)
             return None
@@ -114,7 +135,7 @@ class PlanCache:
         if plan.input_hash != input_hash:
             log.warning("ignoring plan cache entry %s: hash mismatch; re-solving", p)
             return None
-        why = _damage(plan, input_hash)
+        why = _damage(plan, input_hash) or _checksum_damage(text)
         if why:
             log.warning("ignoring damaged plan cache entry %s (%s); re-solving", p, why)
             return None
@@ -123,4 +144,6 @@ class PlanCache:
     def put(self, plan: Plan) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         p = self.path(plan.input_hash)
-        return replace_text(p, plan.to_json())   # (umask's mode: 0600 would hide a team's shared cache)
+        d = plan.to_dict()
+        d[CHECKSUM_KEY] = _checksum(d)
+        return replace_text(p, json.dumps(d, indent=1))   # (umask's mode: 0600 would hide a team's shared cache)

@@ -32,3 +32,44 @@ def test_nvme_off_holds_for_the_heuristics_and_the_advised_minimum():
                      method=f"heuristic:{name}")
         assert not p.fits or p.predicted.peak_bytes["nvme"] == 0, name
         assert all("nvme" not in (d.param_tier, d.optimizer_tier, d.grad_tier, d.activation_tier) for d in p.layers)
+
+
+@pytest.fixture
+def tiny():
+    return _specs("model=tiny-llama", "hardware=cpu")[:3]
+
+
+@pytest.mark.parametrize("edit", ["status", "tokens_per_s", "compute_s", "solver", "explanation", "no_checksum"])
+def test_cache_entries_edited_where_the_replay_cannot_tell_are_re_solved(tiny, tmp_path, caplog, edit):
+    """Review: a status flipped to infeasible made a fitting job exit 2 with the fitting plan's
+    explanation as advice; an edited tokens/s, compute time, solver status or explanation was
+    printed as it read. Every cache entry now carries a checksum of its contents."""
+    import json
+    import logging
+
+    model, h, job = tiny
+    plan = plan_job(model, h, job, cache_dir=tmp_path)
+    f = tmp_path / f"{plan.input_hash}.json"
+    d = json.loads(f.read_text())
+    if edit == "status":
+        d["status"] = "infeasible"
+    elif edit == "tokens_per_s":
+        d["predicted"]["tokens_per_s"] = 1e9
+    elif edit == "compute_s":
+        d["predicted"]["compute_s"] = 99.0
+    elif edit == "solver":
+        d["solver"]["gap"] = 0.5
+    elif edit == "explanation":
+        d["explanation"] = ["an invented line"]
+    else:
+        d.pop("entry_sha256")
+    f.write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING):
+        again = plan_job(model, h, job, cache_dir=tmp_path)
+    assert "damaged plan cache entry" in caplog.text
+    assert (again.status, again.predicted, again.layers, again.explanation, again.solver.gap) == \
+        (plan.status, plan.predicted, plan.layers, plan.explanation, plan.solver.gap)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):   # the re-solved entry is written back, whole: a hit
+        assert plan_job(model, h, job, cache_dir=tmp_path) == again
+    assert "cache entry" not in caplog.text
