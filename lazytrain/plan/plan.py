@@ -105,8 +105,9 @@ class Predicted:
     peak_bytes: Mapping[str, int]       # {"device", "host", "nvme"}
     compute_s: float = 0.0               # forward + backward compute, no recompute
     recompute_s: float = 0.0
-    exposed_transfer_s: float = 0.0      # step time beyond compute + recompute (+ the serial optimizer)
+    exposed_transfer_s: float = 0.0      # step time beyond compute + recompute + the optimizer's share
     serial_optimizer_s: float = 0.0      # host optimizer not overlapped with compute (a CPU device)
+    exposed_optimizer_s: float = 0.0     # an overlapped host optimizer's time beyond the compute beside it
 
 
 @dataclass(frozen=True)

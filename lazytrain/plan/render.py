@@ -51,6 +51,7 @@ def summary_lines(plan: Plan) -> list[str]:
         f"predicted step {p.step_time_s:.4g} s  ({p.tokens_per_s:,.0f} tokens/s)  compute {p.compute_s:.4g} s  "
         f"recompute {p.recompute_s:.4g} s  "
         + (f"optimizer (not overlapped) {p.serial_optimizer_s:.4g} s  " if p.serial_optimizer_s else "")
+        + (f"optimizer (not hidden) {p.exposed_optimizer_s:.4g} s  " if p.exposed_optimizer_s else "")
         + f"exposed transfers {p.exposed_transfer_s:.4g} s",
         f"peaks  device {pk['device'] / GiB:.2f} GiB (budget {plan.hardware.device_memory_gib:g})  "
         f"host {pk['host'] / GiB:.2f} GiB  nvme {pk['nvme'] / GiB:.2f} GiB",

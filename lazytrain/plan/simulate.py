@@ -39,14 +39,17 @@ class Timeline:
     recompute_s: float
     peak_bytes: dict[str, int]
     serial_optimizer_s: float = 0.0   # optimizer time on the compute resource (not overlapped)
+    # an overlapped (host) optimizer's time beyond the compute it runs beside: the windows it lengthens
+    exposed_optimizer_s: float = 0.0
     events: tuple[Event, ...] = field(repr=False, default=())
     device_curve: tuple[tuple[float, int], ...] = field(repr=False, default=())  # (time_s, bytes)
 
     @property
     def exposed_transfer_s(self) -> float:
-        """Step time not explained by compute, recompute or an optimizer that shares the compute
-        resource (CPU-as-device): the transfers that could not hide."""
-        return max(0.0, self.step_time_s - self.compute_s - self.recompute_s - self.serial_optimizer_s)
+        """Step time not explained by compute, recompute or the optimizer (sharing the compute
+        resource on a CPU device, or overlapped and not hidden): the transfers that could not hide."""
+        return max(0.0, self.step_time_s - self.compute_s - self.recompute_s - self.serial_optimizer_s
+                   - self.exposed_optimizer_s)
 
 
 def _window_items(costs: JobCosts, a: Assignment, hw: HardwareSpec, final: bool,
@@ -218,7 +221,7 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
     events: list[Event] = []
     t = 0.0
     peaks, curve = memory_peaks(costs, a, depth)
-    compute_s = recompute_s = serial_opt_s = 0.0
+    compute_s = recompute_s = serial_opt_s = exposed_opt_s = 0.0
     window_start: dict[tuple[int, int], float] = {}
     for m in range(G):
         final = m == G - 1
@@ -240,7 +243,11 @@ def simulate(costs: JobCosts, a: Assignment, hw: HardwareSpec, depth: int = 2) -
                 elif kind == "optimizer" and res == "compute":
                     serial_opt_s += dur
             window_start[m, k] = t
-            t = max([t] + list(cursor.values()))
+            end = max([t] + list(cursor.values()))
+            if "optimizer" in cursor and cursor["optimizer"] == end:   # the optimizer set this window's length
+                exposed_opt_s += end - max(t, cursor.get("compute", t))
+            t = end
     device_curve = [(window_start[m, k], nbytes) for m in range(G) for k, nbytes in curve]
-    return Timeline(step_time_s=t, compute_s=compute_s, recompute_s=recompute_s, peak_bytes=peaks, serial_optimizer_s=serial_opt_s,
+    return Timeline(step_time_s=t, compute_s=compute_s, recompute_s=recompute_s, peak_bytes=peaks,
+                    serial_optimizer_s=serial_opt_s, exposed_optimizer_s=exposed_opt_s,
                     events=tuple(events), device_curve=tuple(device_curve))

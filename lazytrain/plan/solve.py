@@ -184,7 +184,8 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     predicted = Predicted(
         step_time_s=tl.step_time_s, tokens_per_s=job.tokens_per_step / tl.step_time_s,
         peak_bytes=dict(tl.peak_bytes), compute_s=tl.compute_s, recompute_s=tl.recompute_s,
-        exposed_transfer_s=tl.exposed_transfer_s, serial_optimizer_s=tl.serial_optimizer_s)
+        exposed_transfer_s=tl.exposed_transfer_s, serial_optimizer_s=tl.serial_optimizer_s,
+        exposed_optimizer_s=tl.exposed_optimizer_s)
     plan = Plan(
         schema_version=SCHEMA_VERSION, input_hash=h, status=r.status, method=method,
         solver=SolverInfo(name=r.solver_name, wall_s=round(r.wall_s, 4), gap=r.gap, status_detail=r.detail),
@@ -295,8 +296,10 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
     top = ", ".join(f"{r} {s:.3f} s" + (f" (optimizer {tl.serial_optimizer_s:.3f} s of it)"
                                         if r == "compute" and tl.serial_optimizer_s > 0 else "")
                     for r, s in busy.most_common(4))
+    hidden_not = (f"{tl.exposed_optimizer_s:.3f} s of optimizer and {tl.exposed_transfer_s:.3f} s of transfers"
+                  if tl.exposed_optimizer_s > 0 else f"{tl.exposed_transfer_s:.3f} s")
     lines.append(f"busy time per resource: {top}; step {tl.step_time_s:.3f} s, of which "
-                 f"{tl.exposed_transfer_s:.3f} s not hidden behind compute")
+                 f"{hidden_not} not hidden behind compute")
     if plan.hardware.copies_share_compute:
         lines.append("the device is the CPU: host<->device copies are memcpys by the computing cores "
                      "(they add to the step), NVMe reads land in device memory")
