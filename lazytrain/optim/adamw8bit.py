@@ -411,6 +411,10 @@ class AdamW8bit(torch.optim.Optimizer):
                     [s["exp_avg"] for _, _, s, _ in items], [s["exp_avg_sq"] for _, _, s, _ in items],
                     h, clip,
                 )  # fmt: skip
+            # The kernel wrote through data pointers: tell autograd, as an in-place op would, so a
+            # backward through a graph that saved these parameters before the step raises instead
+            # of silently using the new weights (the torch kernels' in-place ops do this themselves).
+            torch.autograd.graph.increment_version([p for p, _, _, _ in items])
             return
         tables = self._tables_on(device)
         compiled = self._compiled_on(device) if is8bit else None

@@ -437,3 +437,20 @@ def test_loading_a_state_of_another_size_says_so_whatever_its_layout():
     dst = torch.nn.Parameter(torch.randn(16, 16))
     with pytest.raises(ValueError, match="with 256 elements"):
         AdamW8bit([dst]).load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("dtype,numel", [(torch.float32, 100), (torch.float32, 8192),
+                                         (torch.bfloat16, 100), (torch.bfloat16, 8192)])
+def test_a_step_is_an_in_place_change_autograd_sees(backend, dtype, numel):
+    """Review: the C++ kernels wrote through data pointers without bumping the parameters' version
+    counters, so a backward through a graph that saved a parameter before the step (a step between
+    one loss's forward and backward) silently used the new weights; torch's AdamW and the pure-torch
+    kernels raise autograd's in-place error, and so does every backend now."""
+    p = torch.nn.Parameter(torch.randn(numel).to(dtype))
+    opt = AdamW8bit([p], lr=0.1, backend=backend)
+    stale = (p * p).sum()   # saves p
+    (p ** 3).sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()
