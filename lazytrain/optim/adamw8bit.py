@@ -33,8 +33,11 @@ for CPUs without a compiler and CUDA setups where compiling fails. Bit-identical
 update for the same clip scale. The global norm behind that scale is summed in another order by each
 (C++: fp32 sums of 16K-element chunks, FMA lanes, added in double; torch: per-tensor dot products
 added in fp32), so a clipped step's scale, and then the weights, can differ in the last bit.
-NaN gradients without ``max_grad_norm`` make NaN weights on both; the moments' codes of their
-block differ (the C++ block maximum skips a NaN, torch's propagates it).
+A NaN gradient element without ``max_grad_norm`` makes that weight NaN in every kernel (as
+torch's AdamW does), and only that one: the block maxima skip NaN everywhere (until 2026-12-01
+torch's propagated it, NaN-ing the whole 256-element block), and a NaN moment is stored as the
+smallest code in every kernel (qmap.NAN_BIAS), as is an overflowed v's (a gradient above ~1e19,
+unclipped) once its block's maximum is infinite: codes and weights stay bit-identical.
 """
 
 from __future__ import annotations
@@ -103,6 +106,33 @@ def _flat(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     return x.view(-1) if x.is_contiguous() else x.reshape(-1)
 
 
+def _refuse_shared_memory(params: list[torch.Tensor]) -> None:
+    """Two distinct parameters over overlapping memory (Parameter(t) twice, slices of one buffer):
+    the C++ kernel updates every tensor of a step in one parallel pass, so their updates would race
+    (run-to-run different weights), and each bf16 one would keep its own master. Refused by name; a
+    tied weight is one Parameter, listed once or twice, and is fine."""
+    spans: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))   # elements spanned
+        spans[(p.device, p.untyped_storage().data_ptr())].append(
+            (p.data_ptr(), p.data_ptr() + extent * p.element_size(), i))
+    for group in spans.values():
+        if len(group) < 2:
+            continue
+        group.sort()
+        end, i0 = group[0][1], group[0][2]
+        for s1, e1, i1 in group[1:]:
+            if s1 < end:
+                raise ValueError(
+                    f"AdamW8bit: parameters {i0} and {i1} of this step (shapes {tuple(params[i0].shape)}, "
+                    f"{tuple(params[i1].shape)}) share memory; the fused update would race on it. Give "
+                    f"each its own tensor, or tie them as one Parameter")
+            if e1 > end:
+                end, i0 = e1, i1
+
+
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with blockwise 8-bit m and v.
 
@@ -118,6 +148,9 @@ class AdamW8bit(torch.optim.Optimizer):
         backend: "auto" (CPU: the C++ kernel when it builds, else pure torch; CUDA: the
             torch.compile'd kernel, falling back to pure torch if it does not compile), "cpp",
             "torch" (eager, every device) or "compile" (compiled, every device).
+        amsgrad, maximize, foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s,
+            accepted so its calls run unchanged; ``foreach``/``fused`` are ignored (one fused
+            kernel either way), the others must be False.
     """
 
     def __init__(
@@ -127,12 +160,26 @@ class AdamW8bit(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
         max_grad_norm: float | None = None,
         block_size: int = 256,
         min_8bit_numel: int = 4096,
         backend: str = "auto",
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
+        # torch.optim.AdamW's own arguments, so a call written for it runs: its implementation
+        # choices (foreach, fused) mean nothing here (one fused kernel either way); what would
+        # change the update is refused by name
+        for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("capturable", capturable),
+                            ("differentiable", differentiable)):
+            if value:
+                raise TypeError(f"AdamW8bit: {name}=True is not supported (torch.optim.AdamW's "
+                                f"{name}); leave it False")
         if not lr >= 0.0:
             raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -357,6 +404,7 @@ class AdamW8bit(torch.optim.Optimizer):
         # a gradient spike) and v would lose the step's gradient: then the gradients are scaled
         # first, in a temporary (rare: only such spikes pay the extra pass).
         prescale = 0.0 < clip < PRESCALE_CLIP_BELOW
+        _refuse_shared_memory([p for p, _ in pairs if p.grad is not None])
         work: dict[tuple[torch.device, bool], list] = defaultdict(list)
         checked: set[int] = set()
         # Everything is checked before any step count moves: an error leaves the optimizer as it

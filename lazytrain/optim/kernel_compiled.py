@@ -49,8 +49,10 @@ def _segment(
     wi = w * decay
     denom = kernel_torch._sqrt(v) * ibc2 + eps
     w.copy_(wi - (m / denom) * step_size)
-    am_new = m.abs().amax(dim=1)
-    av_new = v.amax(dim=1)
+    # block maxima skipping NaN (a NaN gradient without clipping), as the C++ kernel's do: one
+    # element's NaN must not turn its whole block's moments into NaN
+    am_new = m.abs().nan_to_num(0.0, torch.inf).amax(dim=1)
+    av_new = v.nan_to_num(0.0, torch.inf).amax(dim=1)
     qm.copy_(qmap.quantize_bits(m * kernel_torch._inv_or_zero(am_new)[:, None], *tab_m, exp_lo_m, 0, 127, True))
     qv.copy_(qmap.quantize_bits(v * kernel_torch._inv_or_zero(av_new)[:, None], *tab_v, exp_lo_v, 1, 255, False))
     am.copy_(am_new)

@@ -78,8 +78,10 @@ def _segment(
     wi = w * h["decay"]
     denom = _sqrt(v) * h["inv_bc2_sqrt"] + h["eps"]
     w.copy_(wi - (m / denom) * h["step_size"])
-    am_new = m.abs().amax(dim=1)
-    av_new = v.amax(dim=1)
+    # block maxima skipping NaN (a NaN gradient without clipping), as the C++ kernel's do: one
+    # element's NaN must not turn its whole block's moments into NaN
+    am_new = m.abs().nan_to_num(0.0, torch.inf).amax(dim=1)
+    av_new = v.nan_to_num(0.0, torch.inf).amax(dim=1)
     qm.copy_(qmap.quantize_normalized(m * _inv_or_zero(am_new)[:, None], t.m))
     qv.copy_(qmap.quantize_normalized(v * _inv_or_zero(av_new)[:, None], t.v))
     am.copy_(am_new)

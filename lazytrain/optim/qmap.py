@@ -49,6 +49,9 @@ class ExpMap:
     code: torch.Tensor  # float32 [256]: value of each code byte
 
 
+NAN_BIAS = -8192   # see exp_map
+
+
 @functools.lru_cache(maxsize=None)
 def exp_map(signed: bool) -> ExpMap:
     """Build the signed (m) or unsigned (v) exponent map."""
@@ -77,8 +80,13 @@ def exp_map(signed: bool) -> ExpMap:
     values[top] = 1.0
     shift[depth + 1] = 23
     bias[depth + 1] = top - ((127 << 23) >> 23)
-    for t in range(depth + 2, TABLE_SIZE):  # unused entries (clamped away)
-        shift[t], bias[t] = 23, bias[depth + 1]
+    # Exponents above 1's binade: no normalised finite value reaches them (the block maxima skip NaN,
+    # so |x| <= absmax), only NaN (and inf): they give the smallest code (0 for m, 1 for v; its sign
+    # kept for m), in every kernel, so a NaN moment (a NaN gradient, unclipped, or an overflowed v)
+    # is stored as ~0 the same way everywhere and does not inflate its block's next maximum.
+    # (-8192: the VBMI kernel's 16-bit bias offset, csrc kOff, takes no lower one.)
+    for t in range(depth + 2, TABLE_SIZE):
+        shift[t], bias[t] = 23, NAN_BIAS
     code = torch.zeros(256, dtype=torch.float32)
     mags = torch.tensor(values, dtype=torch.float32)
     code[: top + 1] = mags

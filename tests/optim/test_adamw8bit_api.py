@@ -454,3 +454,87 @@ def test_a_step_is_an_in_place_change_autograd_sees(backend, dtype, numel):
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         stale.backward()
+
+
+def test_torch_adamw_calls_run_unchanged():
+    """Review: a call written for torch.optim.AdamW (its defaults passed explicitly, fused=True,
+    foreach=False, amsgrad as the 6th positional argument) raised a bare 'unexpected keyword'."""
+    p = torch.nn.Parameter(torch.randn(64))
+    ref = AdamW8bit([p], 1e-3, (0.9, 0.999), 1e-8, 1e-2)
+    opt = AdamW8bit([p], 1e-3, (0.9, 0.999), 1e-8, 1e-2, False, maximize=False, foreach=False,
+                    capturable=False, differentiable=False, fused=True)
+    assert opt.defaults == ref.defaults
+    for name in ("amsgrad", "maximize", "capturable", "differentiable"):
+        with pytest.raises(TypeError, match=f"{name}=True is not supported"):
+            AdamW8bit([p], **{name: True})
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_parameters_over_shared_memory_are_refused_and_disjoint_slices_update(backend):
+    """Review: two Parameters over one storage were updated by the C++ kernel in one parallel pass,
+    racing (weights differed run to run). Overlapping ones are refused, naming them; disjoint
+    slices of one buffer (a flat-parameter layout) update as separate tensors would."""
+    base = torch.randn(2 * 8192)
+    x, y = torch.nn.Parameter(base), torch.nn.Parameter(base[100:8292])
+    opt = AdamW8bit([x, y], lr=0.1, backend=backend)
+    x.grad, y.grad = torch.randn_like(x), torch.randn_like(y)
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"parameters 0 and 1 of this step .* share memory"):
+        opt.step()
+    assert torch.equal(base, before) and not opt.state   # nothing moved
+    buf = torch.randn(2 * 8192)
+    a, b = torch.nn.Parameter(buf[:8192]), torch.nn.Parameter(buf[8192:])
+    ca, cb = (torch.nn.Parameter(t.detach().clone()) for t in (a, b))
+    opt, ref = AdamW8bit([a, b], lr=0.1, backend=backend), AdamW8bit([ca, cb], lr=0.1, backend=backend)
+    for p, q in ((a, ca), (b, cb)):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    opt.step(), ref.step()
+    assert torch.equal(a, ca) and torch.equal(b, cb)
+
+
+@pytest.mark.parametrize("where", [0, 10, 63, 255, 300])
+def test_a_nan_gradient_element_nans_that_weight_only_in_every_kernel(where):
+    """Review: without clipping, one NaN gradient element made its weight NaN under the C++ kernel
+    and torch's AdamW, but the pure-torch kernel's block maximum propagated the NaN and its whole
+    256-element block went NaN (the CUDA compiled kernel has the same maximum). The block maxima
+    skip NaN in every kernel now, and the kernels agree on every other element and block scale."""
+    out = {}
+    for backend in ("auto", "torch"):
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4096, generator=g))
+        opt = AdamW8bit([p], backend=backend)
+        for s in range(3):
+            p.grad = torch.randn(4096, generator=g)
+            if s == 1:
+                p.grad[where] = float("nan")
+            opt.step()
+        assert p.isnan().nonzero().flatten().tolist() == [where], backend
+        out[backend] = (p.detach().clone(), opt.state[p])
+    (wa, sa), (wt, st) = out["auto"], out["torch"]
+    keep = torch.ones(4096, dtype=torch.bool)
+    keep[where] = False
+    assert torch.equal(wa[keep], wt[keep])
+    assert torch.equal(sa["absmax_m"], st["absmax_m"]) and torch.equal(sa["absmax_v"], st["absmax_v"])
+    assert torch.equal(sa["qm"][keep], st["qm"][keep]) and torch.equal(sa["qv"][keep], st["qv"][keep])
+
+
+def test_an_overflowed_v_block_stores_the_same_codes_in_every_kernel():
+    """Review: a gradient of 1e19 (no clipping) makes v infinite and its block's maximum inf; the
+    other elements normalise to 0 and the inf one to NaN, which the VBMI kernel stored as code 255
+    and the torch kernel as 1 (4864 of 5000 codes differed). NaN gets the smallest code everywhere."""
+    out = []
+    for backend in ("auto", "torch"):
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5000, generator=g))
+        opt = AdamW8bit([p], backend=backend)
+        for s in range(3):
+            p.grad = torch.randn(5000, generator=g)
+            if s == 1:
+                p.grad[::100] = 1e19
+            opt.step()
+        out.append((p.detach().clone(), opt.state[p]))
+    (wa, sa), (wt, st) = out
+    assert torch.equal(wa, wt)
+    for k in ("qm", "qv", "absmax_m", "absmax_v"):
+        assert torch.equal(sa[k], st[k]), k

@@ -241,8 +241,10 @@ void block_avx512(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv,
     if (pbf) _mm256_mask_storeu_epi16(pbf + i, k, to_bf16(wi));
     _mm512_mask_storeu_ps(mbuf + i, k, m);
     _mm512_mask_storeu_ps(vbuf + i, k, v);
-    mx_m = _mm512_mask_max_ps(mx_m, k, mx_m, _mm512_abs_ps(m));
-    mx_v = _mm512_mask_max_ps(mx_v, k, mx_v, v);
+    // (vmaxps returns its second operand when either is NaN: the running max second skips a NaN,
+    // as std::max above and the torch kernels' NaN-to-0 do)
+    mx_m = _mm512_mask_max_ps(mx_m, k, _mm512_abs_ps(m), mx_m);
+    mx_v = _mm512_mask_max_ps(mx_v, k, v, mx_v);
   }
   const float amax_m = _mm512_reduce_max_ps(mx_m), amax_v = _mm512_reduce_max_ps(mx_v);
   const __m512 im = _mm512_set1_ps(inv_or_zero(amax_m)), iv = _mm512_set1_ps(inv_or_zero(amax_v));
@@ -357,8 +359,7 @@ inline void dequant64(__m512i c, const BMap& q, const Perm& pm, __m512* out) {
 // in [0, 32767] that is avg_epu16(mag >> (s - 1), A) - kOff (avg: (a + b + 1) >> 1, exact in 17
 // bits, at most 32767: the signed clamps below see it right). The binade index keeps its upper
 // clamp: a finite normalised value is at most 1 (+1 ulp) only when the block's absmax really is its
-// largest magnitude, and a NaN in the block can drop out of the running max (max_ps returns its
-// second operand), leaving larger values to normalise above 1.
+// largest magnitude (a NaN normalises to NaN, whose code is whatever the integer steps make of it).
 inline __m512i quant64(const __m512* x, const BMap& q, const Perm& pm) {
   __m512i r[2];
   for (int h = 0; h < 2; ++h) {
@@ -415,8 +416,8 @@ void block_vbmi(float* w, uint16_t* pbf, const G* g, uint8_t* qm, uint8_t* qv, f
       if (pbf) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf + o), to_bf16(wi));
       _mm512_store_ps(mbuf + o, m);
       _mm512_store_ps(vbuf + o, v);
-      mx_m = _mm512_max_ps(mx_m, _mm512_abs_ps(m));
-      mx_v = _mm512_max_ps(mx_v, v);
+      mx_m = _mm512_max_ps(_mm512_abs_ps(m), mx_m);   // (NaN skipped: see block_avx512)
+      mx_v = _mm512_max_ps(v, mx_v);
     }
   }
   const float amax_m = _mm512_reduce_max_ps(mx_m), amax_v = _mm512_reduce_max_ps(mx_v);
