@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from .units import dtype_bytes
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# what the executor and the engines compute in (spec.units also sizes int8/fp8, which nothing here
+# trains in: a plan for them was a plan no job could run)
+COMPUTE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,12 @@ class JobSpec:
                 raise ValueError(f"job.{k} must be >= 1, got {getattr(self, k)}")
         if self.mode == "lora" and self.lora_rank < 1:
             raise ValueError(f"job.lora_rank must be >= 1, got {self.lora_rank}")
-        dtype_bytes(self.compute_dtype)
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"job.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
+                             f"got {self.compute_dtype!r}")
+        alpha = self.lora_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+            raise ValueError(f"job.lora_alpha must be a number > 0, got {alpha!r}")
         if self.master_dtype not in ("fp32", "bf16"):
             raise ValueError(f"job.master_dtype must be fp32 (mixed precision) or bf16 (pure-bf16 "
                              f"training), got {self.master_dtype!r}")

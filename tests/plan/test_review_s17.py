@@ -111,3 +111,18 @@ def test_the_reported_gap_bounds_every_heuristic():
         h = plan_job(m, hw, job, opts, cache_dir=None, explain=False, method=f"heuristic:{name}")
         if h.fits:
             assert p.predicted.step_time_s <= h.predicted.step_time_s * (1 + p.solver.gap) * (1 + 1e-9), name
+
+
+@pytest.mark.parametrize("setting,msg", [("job.compute_dtype=fp8", "job.compute_dtype must be one of bf16"),
+                                         ("job.compute_dtype=int8", "job.compute_dtype must be one of bf16"),
+                                         ("job.lora_alpha=abc", "job.lora_alpha must be a number > 0"),
+                                         ("job.lora_alpha=0", "job.lora_alpha must be a number > 0")])
+def test_plan_refuses_what_train_cannot_run(setting, msg, capsys):
+    """Review: `plan` planned an fp8 job (1-byte weights and activations: a bigger batch, a faster
+    step) that `train` refuses and nothing computes, and a non-numeric lora_alpha that failed only
+    inside LoRA's setup."""
+    from lazytrain.cli.main import main as cli_main
+
+    assert cli_main(["plan", "model=tiny-llama", "job.mode=lora", setting, "planner.cache=false"]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err

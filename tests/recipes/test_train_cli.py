@@ -631,7 +631,7 @@ def test_chunked_loss_job(base_overrides, tmp_path, capsys):
 def test_unusable_dtypes_optim_values_and_damaged_weights(base_overrides, tmp_path, capsys):
     """Caught in preflight, before anything is written: a precision the planner knows but training
     cannot use, an optimizer setting that is not a number, a weights file that is not safetensors."""
-    _bad(capsys, [*base_overrides, "job.compute_dtype=fp8"], tmp_path, "job.compute_dtype=fp8 cannot train")
+    _bad(capsys, [*base_overrides, "job.compute_dtype=fp8"], tmp_path, "job.compute_dtype must be one of bf16")
     _bad(capsys, [*base_overrides, "optim.lr=abc"], tmp_path, "optim.lr must be a number, got 'abc'")
     _bad(capsys, [*base_overrides, "optim.betas=[0.9]"], tmp_path, "optim.betas must be two numbers")
     from transformers import AutoConfig, AutoModelForCausalLM
