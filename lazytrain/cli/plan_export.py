@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; its plan is {path / 'plan.json'}" if path.is_dir() and (path / "plan.json").is_file() else ""
         print(f"export-deepspeed: cannot read {path} ({e.strerror or e}){hint}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"export-deepspeed: {path} is not a lazytrain plan ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     try:

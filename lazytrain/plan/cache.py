@@ -52,17 +52,10 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
         own = hash_of_inputs(plan.model_config, plan.hardware, plan.job, plan.options, plan.method, versions())
         if own != asked_hash:
             return "its model, hardware, job or options are not the ones asked for"
-    peaks = plan.predicted.peak_bytes
-    if set(peaks) != {"device", "host", "nvme"}:
-        return "predicted peaks are not device/host/nvme"
-    if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) and b >= 0
-               for b in peaks.values()):
-        return f"predicted peaks {dict(peaks)} are not byte counts >= 0"
-    if not plan.fits:
-        return ""
-    t = plan.predicted.step_time_s
-    if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
-        return f"predicted step time {t!r} s"
+    why = malformed(plan)
+    if why or not plan.fits:
+        return why
+    peaks, t = plan.predicted.peak_bytes, plan.predicted.step_time_s
     hw = plan.hardware
     # capacities as job_costs has them; the slack covers the solver's feasibility tolerance
     # (memory rows are in GiB: ~1e-7 GiB)
@@ -71,22 +64,11 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
         if peaks[tier] > cap * (1 + 1e-6) + 4096:
             return f"predicted {tier} peak {peaks[tier]} bytes above its capacity ({max(cap, 0)} bytes)"
     n = plan.model_config.get("num_hidden_layers")
-    if len(plan.layers) < 3 or (isinstance(n, int) and len(plan.layers) != n + 2):
+    if isinstance(n, int) and len(plan.layers) != n + 2:
         return f"{len(plan.layers)} layers for a model of {n} blocks"
-    for i, d in enumerate(plan.layers):
-        if d.recompute and not (d.segment_start <= i and plan.layers[d.segment_start].recompute):
-            return f"{d.name}: recompute segment start {d.segment_start}"
-        if any(t not in TIERS for t in (d.param_tier, d.grad_tier, d.optimizer_tier)):
-            return f"{d.name}: a tier outside {TIERS}"
-        if d.activation_tier not in (*TIERS, "none"):
-            return f"{d.name}: activation tier {d.activation_tier!r}"
-    from .solve import assignment_of, simulate_plan   # (solve imports this module)
-    try:
-        assignment_of(plan).validate(len(plan.layers) - 2)
-    except (ValueError, AssertionError) as e:
-        return str(e)
     # The entry must say what its own decisions give: replayed, tiers edited by hand (every
     # layer's weights on a 24 GiB card) or a step time written over were served as they read.
+    from .solve import simulate_plan   # (solve imports this module)
     try:
         with _quiet("lazytrain.costmodel.layers"):   # (said when planning: an unmatched LoRA target)
             tl = simulate_plan(plan)
@@ -97,6 +79,42 @@ def _damage(plan: Plan, asked_hash: str | None = None) -> str:
     for tier in ("device", "host", "nvme"):
         if abs(tl.peak_bytes[tier] - peaks[tier]) > 1e-6 * max(peaks[tier], 1) + 4096:
             return f"its decisions give a {tier} peak of {tl.peak_bytes[tier]} bytes, it says {peaks[tier]}"
+    return ""
+
+
+def malformed(plan: Plan) -> str:
+    """What makes a parsed plan unusable as a plan, whatever planner wrote it ('' if nothing): the
+    structure `plan show`, `trace` and the executor index (peaks per tier, the layers' segments and
+    tiers, numbers where numbers belong). A plan file from an older cost model passes; only a
+    cache entry must also replay to its own figures (_damage)."""
+    peaks = plan.predicted.peak_bytes
+    if not isinstance(peaks, dict) or set(peaks) != {"device", "host", "nvme"}:
+        return "predicted peaks are not device/host/nvme"
+    if not all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) and b >= 0
+               for b in peaks.values()):
+        return f"predicted peaks {dict(peaks)} are not byte counts >= 0"
+    why = plan.solver.damage()
+    if why or not plan.fits:
+        return why
+    t = plan.predicted.step_time_s
+    if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
+        return f"predicted step time {t!r} s"
+    if len(plan.layers) < 3:
+        return f"{len(plan.layers)} layers"
+    for i, d in enumerate(plan.layers):
+        if not isinstance(d.segment_start, int) or not 0 <= d.segment_start < len(plan.layers):
+            return f"{d.name}: segment start {d.segment_start!r} outside the plan's layers"
+        if d.recompute and not (d.segment_start <= i and plan.layers[d.segment_start].recompute):
+            return f"{d.name}: recompute segment start {d.segment_start}"
+        if any(t not in TIERS for t in (d.param_tier, d.grad_tier, d.optimizer_tier)):
+            return f"{d.name}: a tier outside {TIERS}"
+        if d.activation_tier not in (*TIERS, "none"):
+            return f"{d.name}: activation tier {d.activation_tier!r}"
+    from .solve import assignment_of   # (solve imports this module)
+    try:
+        assignment_of(plan).validate(len(plan.layers) - 2)
+    except (ValueError, AssertionError) as e:
+        return str(e)
     return ""
 
 

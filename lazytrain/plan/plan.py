@@ -92,6 +92,15 @@ class SolverInfo:
     gap: float | None
     status_detail: str = ""
 
+    def damage(self) -> str:
+        """What is wrong with the values ('' if nothing): a hand-edited plan file's."""
+        num = lambda v: isinstance(v, int | float) and not isinstance(v, bool)  # noqa: E731
+        if not (self.gap is None or num(self.gap)) or not num(self.wall_s):
+            return f"solver gap {self.gap!r} / wall_s {self.wall_s!r} are not numbers"
+        if not isinstance(self.status_detail, str) or not isinstance(self.name, str):
+            return "solver name / status_detail are not text"
+        return ""
+
     @property
     def fell_back(self) -> bool:
         """The MILP ran out of time and a heuristic's plan was returned (status_detail says so)."""
@@ -188,9 +197,14 @@ class Plan:
         if not p.is_file():
             raise ValueError(f"{p}: no such plan file")
         try:
-            return cls.from_json(p.read_text())
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{p}: not a lazytrain plan ({e})") from None
+            plan = cls.from_json(p.read_text())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{p}: not a lazytrain plan ({type(e).__name__}: {e})") from None
+        from .cache import malformed   # (cache imports this module)
+        why = malformed(plan)
+        if why:   # (parsed, but what `plan show`/`trace` would index or format is broken)
+            raise ValueError(f"{p}: not a usable lazytrain plan ({why})")
+        return plan
 
 
 def input_hash(model_config: Mapping[str, Any], hardware: HardwareSpec, job: JobSpec,

@@ -126,3 +126,31 @@ def test_plan_refuses_what_train_cannot_run(setting, msg, capsys):
     assert cli_main(["plan", "model=tiny-llama", "job.mode=lora", setting, "planner.cache=false"]) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["nopeak", "segstart", "optnull", "gapstr"])
+def test_plan_show_of_a_damaged_plan_file_is_one_line(damage, tmp_path, capsys):
+    """Review: `plan show` on a plan file with one field damaged gave a KeyError, IndexError or
+    AttributeError traceback (or a format error naming no file)."""
+    import json
+
+    from lazytrain.cli.main import main as cli_main
+
+    good = tmp_path / "plan.json"
+    assert cli_main(["plan", "model=tiny-llama", "planner.cache=false", "--json", str(good)]) == 0
+    d = json.loads(good.read_text())
+    if damage == "nopeak":
+        d["predicted"]["peak_bytes"] = {}
+    elif damage == "segstart":
+        d["layers"][2].update(recompute=True, segment_start=99)
+    elif damage == "optnull":
+        d["options"] = None
+    else:
+        d["solver"]["gap"] = "x"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    capsys.readouterr()
+    assert cli_main(["plan", "show", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(bad) in err and "not a" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert cli_main(["plan", "show", str(good)]) == 0   # an intact file still shows
