@@ -202,6 +202,12 @@ def preflight(cfg: DictConfig) -> Preflight:
         if getattr(job, what) not in TORCH_DTYPES:
             raise ConfigError(f"job.{what}={getattr(job, what)} cannot train; valid: "
                               f"{', '.join(sorted(TORCH_DTYPES))}")
+    if job.compute_dtype in ("fp16", "float16") and cfg.engine != "deepspeed":
+        # (fp16's range flushes small gradients to 0 without a loss scale: a review measured 99.9%
+        # of a 32k-vocab head's nonzero logit gradients at exactly 0)
+        raise ConfigError(f"job.compute_dtype={job.compute_dtype} needs loss scaling, which engine={cfg.engine} "
+                          f"does not do; use job.compute_dtype=bf16 (same memory), or engine=deepspeed "
+                          f"(its fp16 has a dynamic loss scale)")
     optim_settings(cfg)
     run_settings(cfg)
     if job.seq_len > mspec.max_position_embeddings:

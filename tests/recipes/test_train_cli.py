@@ -632,6 +632,10 @@ def test_unusable_dtypes_optim_values_and_damaged_weights(base_overrides, tmp_pa
     """Caught in preflight, before anything is written: a precision the planner knows but training
     cannot use, an optimizer setting that is not a number, a weights file that is not safetensors."""
     _bad(capsys, [*base_overrides, "job.compute_dtype=fp8"], tmp_path, "job.compute_dtype must be one of bf16")
+    # fp16 without a loss scale flushes small gradients to 0 (review): only DeepSpeed's fp16 has one
+    for engine in ("lazytrain", "torch"):
+        _bad(capsys, [*base_overrides, "job.compute_dtype=fp16", f"engine={engine}"], tmp_path,
+             f"job.compute_dtype=fp16 needs loss scaling, which engine={engine} does not do")
     _bad(capsys, [*base_overrides, "optim.lr=abc"], tmp_path, "optim.lr must be a number, got 'abc'")
     _bad(capsys, [*base_overrides, "optim.betas=[0.9]"], tmp_path, "optim.betas must be two numbers")
     from transformers import AutoConfig, AutoModelForCausalLM
