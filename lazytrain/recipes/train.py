@@ -462,7 +462,40 @@ def job_identity(cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> dict[str
             # they are refused rather than silently not applied (the other engines apply them)
             **({"optimizer_settings": {"weight_decay": float(cfg.optim.weight_decay),
                                        "betas": [float(b) for b in cfg.optim.betas], "eps": float(cfg.optim.eps)}}
-               if str(cfg.engine) == "deepspeed" else {})}
+               if str(cfg.engine) == "deepspeed" else {}),
+            # LoRA: the adapters' definition (the engines load the keys this run's model has, so
+            # other targets silently dropped the trained ones; another alpha rescales them) and
+            # the frozen base weights they were trained on (a review resumed onto another model dir)
+            **({"lora": {"rank": pre.job.lora_rank, "alpha": float(pre.job.lora_alpha),
+                         "targets": sorted(pre.job.lora_targets),
+                         "base_weights": weights_fingerprint(cfg.model.get("path"))}}
+               if pre.job.mode == "lora" else {})}
+
+
+def weights_fingerprint(model_path) -> str | None:
+    """A cheap fingerprint of a model dir's safetensors weights (None for a model built from its
+    config: the seed and config fix it): per file its name, size, header and the first and last
+    MiB of tensor data; another checkpoint of the same architecture differs there. Reads ~2 MiB a
+    file, not the weights."""
+    if not model_path:
+        return None
+    import hashlib
+    import struct
+
+    h = hashlib.sha256()
+    for f in sorted(Path(str(model_path)).expanduser().glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            header = fh.read(min(n, 100 << 20))
+            first = fh.read(1 << 20)
+            fh.seek(max(8 + n, size - (1 << 20)))
+            last = fh.read(1 << 20)
+        for part in (f.name.encode(), str(size).encode(), header, first, last):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()[:24]
 
 
 def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:
@@ -491,6 +524,15 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
                                   f"fingerprint {then}, this run's {now}: other files, contents or order, "
                                   f"tokenizer or data fields){_data_hints(cfg, pre)}; use the same data "
                                   f"or a new output_dir")
+        if k == "lora" and isinstance(had, dict) and had != v:
+            names = {"rank": "job.lora_rank", "alpha": "job.lora_alpha", "targets": "job.lora_targets"}
+            diff = [f"{names[x]} {had.get(x)} -> {v[x]}" for x in names if x in had and had[x] != v[x]]
+            if "base_weights" in had and had["base_weights"] != v["base_weights"]:
+                diff.append("model.path holds other base weights than the adapters were trained on")
+            if diff:
+                raise ConfigError(f"cannot resume: the checkpoint's LoRA adapters differ from this run's "
+                                  f"({'; '.join(diff)}); use the run's settings and base model, or a new output_dir")
+            continue
         if had != v:
             hint = _data_hints(cfg, pre) if k == "dataset" else ""
             raise ConfigError(f"cannot resume: the checkpoint was written with {k}={had}, this run has "

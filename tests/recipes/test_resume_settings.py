@@ -121,3 +121,33 @@ def test_hydra_quoting_round_trips():
     parser = OverridesParser.create()
     for v in ["it's.txt", "x\\y", "x\\'y", "end\\", "a b,c[d]=e", "q''", "é ü"]:
         assert parser.parse_overrides(["k=" + cli._quoted(v)])[0].value() == v
+
+
+def test_a_lora_resume_with_other_adapters_or_base_weights_is_refused(text_data, tmp_path, capsys):
+    """Review: a LoRA resume with other job.lora_targets trained on and dropped the checkpoint's
+    k/v/o adapters without a word (the engines load the keys the new model has); another lora_alpha
+    rescaled the trained update; another model dir with the same architecture was accepted."""
+    import shutil
+
+    from recipe_helpers import tiny_model_dir
+
+    mdir, _ = tiny_model_dir(tmp_path, text_data[1])
+    f, tok = text_data
+    run = tmp_path / "run"
+    common = [f"model.path={mdir}", "data=text", f"data.files=[{f}]", f"data.tokenizer={tok}",
+              "job.seq_len=32", "job.batch_size=2", "job.max_steps=4", "job.mode=lora", "engine=torch",
+              "progress=false", "job.compute_dtype=fp32", f"planner.cache_dir={tmp_path / 'cache'}"]
+    assert cli.main([*common, "stop_at_step=2", f"output_dir={run}"]) == 0
+    for change, msg in [("job.lora_targets=[q_proj]", "job.lora_targets ['k_proj', 'o_proj', 'q_proj', 'v_proj'] -> ['q_proj']"),
+                        ("job.lora_alpha=64", "job.lora_alpha 32.0 -> 64.0"),
+                        ("job.lora_rank=8", "job.lora_rank 16 -> 8")]:
+        capsys.readouterr()
+        assert cli.main([f"output_dir={run}", "resume=true", change]) == 2, change
+        err = capsys.readouterr().err
+        assert "cannot resume: the checkpoint's LoRA adapters differ" in err and msg in err, err
+    other, _ = tiny_model_dir(tmp_path / "b", text_data[1], seed=6)   # same architecture, other weights
+    assert cli.main([f"output_dir={run}", "resume=true", f"model.path={other}"]) == 2
+    assert "model.path holds other base weights" in capsys.readouterr().err
+    moved = tmp_path / "moved-model"
+    shutil.copytree(mdir, moved)   # the same weights elsewhere resume
+    assert cli.main([f"output_dir={run}", "resume=true", f"model.path={moved}"]) == 0
