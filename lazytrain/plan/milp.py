@@ -592,4 +592,6 @@ def _gap(prob: pulp.LpProblem) -> float | None:
             return gap if gap == gap and gap < 1e30 else None
         except Exception:
             return None
-    return 0.0 if prob.status == pulp.LpStatusOptimal else None
+    # CBC (through PuLP) reports no gap: "optimal" is within the gapRel it was given, and a time
+    # limit's incumbent comes back as LpStatusOptimal too; unknown ("-"), not 0.00%
+    return None

@@ -73,13 +73,16 @@ def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pin
     return solve_milp(costs, hw, **{**args, **kw})
 
 
-def pins_for(method: str, num_blocks: int, job: JobSpec | None = None, allow_nvme: bool = True) -> Pins | None:
+def pins_for(method: str, num_blocks: int, job: JobSpec | None = None,
+             options: PlannerOptions | None = None) -> Pins | None:
     """The method's pins (none for the MILP, a heuristic's otherwise), plus what the job requires
     of every plan: the fused 8-bit AdamW updates in place in host memory, so its states stay there.
     With NVMe off (planner.allow_nvme=false) a heuristic's NVMe tiers are the host's (offload-all
-    becomes ZeRO-Offload-like): a plan, minimum or fallback must not use a tier the user turned off."""
-    pins = None if method == "milp" else heuristic_pins(method.removeprefix("heuristic:"), num_blocks)
-    if pins is not None and not allow_nvme:
+    becomes ZeRO-Offload-like): a plan, minimum or fallback must not use a tier the user turned off;
+    likewise every-k's segments are at most planner.max_segment_len blocks."""
+    k = 4 if options is None else max(1, min(4, options.max_segment_len))
+    pins = None if method == "milp" else heuristic_pins(method.removeprefix("heuristic:"), num_blocks, k)
+    if pins is not None and options is not None and not options.allow_nvme:
         host = lambda tiers: None if tiers is None else tuple("host" if t == "nvme" else t for t in tiers)  # noqa: E731
         acts = host(pins.activation_tiers)
         pins = replace(pins, param_tier=host(pins.param_tier), grad_tier=host(pins.grad_tier),
@@ -116,7 +119,7 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
             return replace(hit, model_name=model.name, explanation=tuple(
                 line.replace(f" of {old} (", f" of {model.name} (") if old else line for line in hit.explanation))
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job, options.allow_nvme),
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job, options),
                free_resolve_s=free_resolve_s)
     if r.status == "timeout" and method == "milp":
         r = _fallback(costs, hw, options, model.num_layers, job, r)
@@ -146,7 +149,7 @@ def _fallback(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, num_bl
     checkpointing pinned, the rest solved), marked `feasible` and saying so; never fail silently."""
     best: MilpResult | None = None
     for name in HEURISTICS:
-        r = _solve(costs, hw, options, pins_for(f"heuristic:{name}", num_blocks, job, options.allow_nvme))
+        r = _solve(costs, hw, options, pins_for(f"heuristic:{name}", num_blocks, job, options))
         if r.assignment is not None and (best is None or r.objective_s < best.objective_s):
             best = replace(r, detail=f"{FALLBACK_DETAIL}{options.time_limit_s} s hit before the MILP found a "
                                      f"plan; best heuristic ({name}) returned")
@@ -341,7 +344,7 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
     symmetry-breaking rows are not the cause: that plan satisfies them (and P is the same for
     any order of identical blocks' tiers)."""
     costs = job_costs(model, hw, job)
-    pins = pins_for(method, model.num_layers, job, options.allow_nvme)
+    pins = pins_for(method, model.num_layers, job, options)
     r = _solve(costs, hw, options, pins, minimize="device_peak")
     if r.status == "timeout":
         return TIMED_OUT
@@ -353,7 +356,7 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
         found.append(again.assignment)
     if method == "milp":
         for name in HEURISTICS:
-            hpins = pins_for(f"heuristic:{name}", model.num_layers, job, options.allow_nvme)
+            hpins = pins_for(f"heuristic:{name}", model.num_layers, job, options)
             found.append(_solve(costs, hw, options, hpins, minimize="device_peak").assignment)
     return min(memory_peaks(costs, a, options.prefetch_depth)[0]["device"]   # = simulate()'s
                for a in found if a is not None)
@@ -366,7 +369,7 @@ def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptio
     tiny-llama's batch 41 too large at 0.3 GiB, which plan_job and offload-all plan: HiGHS had
     reported that minimum 0.8% high as optimal. A time limit hit first counts as no."""
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job, options.allow_nvme), minimize="device_peak",
+    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job, options), minimize="device_peak",
                device_capacity_bytes=costs.device_capacity_bytes, mip_gap=1.0)
     return r.assignment is not None and r.status in ("optimal", "feasible")
 
@@ -416,7 +419,7 @@ def _off_device_layouts(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
     costs = job_costs(model, hw, job)
     L = model.num_layers
     n = L + 2
-    pins = pins_for(method, L, job, options.allow_nvme) or Pins()
+    pins = pins_for(method, L, job, options) or Pins()
 
     def pinned(tiers: tuple[str, ...], pin) -> tuple[str, ...]:
         return tiers if pin is None else tuple(t if p is None else p for t, p in zip(tiers, pin))

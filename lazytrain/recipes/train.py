@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1066,8 +1067,8 @@ def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: i
         "last_loss_avg": sum(losses[-k:]) / k}
     if not history:   # (a resume that only finished the final model: the run's losses still)
         return {"steps": 0, "start_step": start_step, "end_step": end_step, **whole_run}
-    times = sorted(h.step_time_s for h in history[1:] or history)  # step 1 includes warm-up
-    med_t = times[len(times) // 2]
+    # step 1 includes warm-up; the median as `plan trace` takes it (an even count: the mean of the two)
+    med_t = statistics.median(h.step_time_s for h in history[1:] or history)
     return {
         "steps": len(history), "start_step": start_step, "end_step": end_step, "wall_s": wall_s,
         **whole_run,

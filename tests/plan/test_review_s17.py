@@ -154,3 +154,38 @@ def test_plan_show_of_a_damaged_plan_file_is_one_line(damage, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert str(bad) in err and "not a" in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert cli_main(["plan", "show", str(good)]) == 0   # an intact file still shows
+
+
+def test_every_k_keeps_to_max_segment_len_and_the_advised_minimum_plans():
+    """Review: every-k pinned 4-block segments whatever planner.max_segment_len said; with 1 the
+    advice quoted every-k's 15.71 GiB minimum, and planning at 15.71 GiB gave the same advice again."""
+    m, hw, job, opts = _specs("model=llama3-8b", "hardware=rtx3090", "job.mode=lora", "job.seq_len=8192",
+                              "hardware.nvme_capacity_gib=0", "hardware.host_memory_gib=24",
+                              "planner.max_segment_len=1", "hardware.device_memory_gib=15")
+    need = min_device_bytes(m, hw, job, opts)
+    assert plan_job(m, replace(hw, device_memory_gib=need / GiB + 0.005), job, opts, cache_dir=None,
+                    explain=False).fits
+    p = plan_job(m, replace(hw, device_memory_gib=40), job, opts, cache_dir=None, explain=False,
+                 method="heuristic:every-k")
+    starts = [d.segment_start for d in p.layers if d.recompute]
+    assert all(starts.count(s) <= 1 for s in starts)   # segments of one block
+
+
+def test_the_run_summary_median_is_plan_traces():
+    """Review: the summary took the upper median of an even number of steps (5.36 s of 2.55 and
+    5.36 s) where `plan trace` said 3.96 s."""
+    from lazytrain.recipes.engines import StepStats
+    from lazytrain.recipes.train import summarize
+
+    m, hw, job, opts = _specs("model=tiny-llama")
+    plan = plan_job(m, hw, job, opts, cache_dir=None, explain=False)
+    hist = [StepStats(loss=1.0, grad_norm=None, skipped=False, step_time_s=t, device_peak_bytes=0, tokens=64)
+            for t in (9.0, 2.5, 5.5)]   # (the first step is warm-up, left out)
+    assert summarize(hist, plan, 0, 3, 20.0)["measured_step_time_s"] == 4.0
+
+
+def test_cbc_reports_no_gap_it_does_not_know():
+    """Review: CBC's plans said gap 0.00% even after a time limit (PuLP reports no gap for it)."""
+    m, hw, job, opts = _specs("model=tiny-llama", "planner.solver=cbc")
+    p = plan_job(m, hw, job, opts, cache_dir=None, explain=False)
+    assert p.fits and p.solver.name == "cbc" and p.solver.gap is None
