@@ -21,6 +21,19 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def planner_cache_dir(cfg) -> Path:
+    """planner.cache_dir as `plan` and `train` both use it: an absolute path as it is; a relative
+    one (the default `solver_cache`) under the current dir where that exists, else under the source
+    checkout this package runs from (its shared cache, when run from elsewhere), else the current
+    dir (an installed package's folder is not a cache). Before 2026-12-01 `train` took it from the
+    current dir only and missed the plans `plan` had cached in the checkout."""
+    d = Path(str(cfg.planner.cache_dir)).expanduser()
+    if d.is_absolute() or (Path.cwd() / d).exists():
+        return d if d.is_absolute() else Path.cwd() / d
+    root = repo_root()
+    return root / d if (root / "pyproject.toml").is_file() else Path.cwd() / d
+
+
 def config_dir() -> Path:
     return Path(os.environ.get("LAZYTRAIN_CONFIG_DIR", repo_root() / "configs")).resolve()
 

@@ -45,10 +45,8 @@ def _inputs(overrides: list[str]):
     if flags:   # left over after the subcommand took its own: a typo (Hydra's lexer error otherwise)
         raise ConfigError(f"unknown option {flags[0]!r} (see `lazytrain plan --help`)")
     cfg = load_config(overrides)
-    cache_dir = Path(str(cfg.planner.cache_dir))
-    if not cache_dir.is_absolute():
-        from .config import repo_root
-        cache_dir = (Path.cwd() / cache_dir) if (Path.cwd() / cache_dir).exists() else repo_root() / cache_dir
+    from .config import planner_cache_dir
+    cache_dir = planner_cache_dir(cfg)
     use_cache = bool(cfg.planner.cache)
     # planner.cache=false bypasses the cache both ways: nothing read, nothing written
     return (model_spec(cfg), hardware_spec(cfg), job_spec(cfg), planner_options(cfg),

@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
-from ..cli.config import ConfigError, check_bool_settings, hardware_spec, model_spec, planner_options
+from ..cli.config import ConfigError, check_bool_settings, hardware_spec, model_spec, planner_cache_dir, planner_options
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
@@ -216,7 +216,7 @@ def preflight(cfg: DictConfig) -> Preflight:
                           f"(max_position_embeddings={mspec.max_position_embeddings})")
     files, tok_dir = prepare_data(cfg)
     # Plan before tokenizing: a job that cannot fit is reported without waiting for the data.
-    plan = plan_job(mspec, hw, job, planner_options(cfg), cache_dir=str(cfg.planner.cache_dir),
+    plan = plan_job(mspec, hw, job, planner_options(cfg), cache_dir=str(planner_cache_dir(cfg)),
                      use_cache=bool(cfg.planner.cache))
     if not plan.fits:
         raise InfeasiblePlanError(plan)

@@ -189,3 +189,27 @@ def test_cbc_reports_no_gap_it_does_not_know():
     m, hw, job, opts = _specs("model=tiny-llama", "planner.solver=cbc")
     p = plan_job(m, hw, job, opts, cache_dir=None, explain=False)
     assert p.fits and p.solver.name == "cbc" and p.solver.gap is None
+
+
+def test_plan_and_train_use_one_cache_dir(tmp_path, monkeypatch):
+    """Review: `plan` resolved a relative planner.cache_dir under the checkout when the current dir
+    had none, `train` always under the current dir: train missed plan's cached plans (the default
+    solver_cache too, run from elsewhere) and could run another plan than the one shown."""
+    from lazytrain.cli import config as c
+
+    cfg = load_config(["planner.cache_dir=relcache"])
+    absolute = load_config([f"planner.cache_dir={tmp_path}/abs"])
+    checkout, elsewhere = tmp_path / "checkout", tmp_path / "cwd"
+    (checkout).mkdir()
+    (checkout / "pyproject.toml").write_text("")
+    elsewhere.mkdir()
+    monkeypatch.setattr(c, "repo_root", lambda: checkout)
+    monkeypatch.chdir(elsewhere)
+    assert c.planner_cache_dir(cfg) == checkout / "relcache"       # the checkout's shared cache
+    (elsewhere / "relcache").mkdir()
+    assert c.planner_cache_dir(cfg) == elsewhere / "relcache"      # one here wins
+    (checkout / "pyproject.toml").unlink()   # an installed package's folder is no cache
+    (elsewhere / "relcache").rmdir()
+    assert c.planner_cache_dir(cfg) == elsewhere / "relcache"
+    assert c.planner_cache_dir(absolute) == tmp_path / "abs"
+
