@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' '.join(taken)}", file=sys.stderr)
     from ..cli.config import config_dir, load_config
     from ..recipes.train import USER_ERRORS, check_output_dir, preflight
+    from ..storage.aligned_io import DiskIOError
 
     if "hardware=measured" in argv and not (config_dir() / "hardware" / "measured.yaml").is_file():
         return _error("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_output_dir(cfg, Path(str(cfg.output_dir)).expanduser(), pre)
         except USER_ERRORS as e:
             return _error(str(e))
+        except DiskIOError as e:   # (a damaged or unreadable checkpoint state.json, read to check it)
+            _error(f"disk error: {e}")
+            return 1
         except KeyboardInterrupt:   # (Ctrl-C while the data is tokenized, say): nothing written yet
             return _interrupted("interrupted before training started; nothing was written")
         except Exception as e:  # Hydra config errors arrive as various types; keep them to one line

@@ -100,8 +100,11 @@ def expand_files(files: Sequence[str | Path]) -> list[Path]:
     for f in files:
         p = Path(f).expanduser()
         if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.is_file() and not _hidden(q, p)
-                           and q.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            try:
+                found = sorted(q for q in p.rglob("*") if q.is_file() and not _hidden(q, p)
+                               and q.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            except OSError as e:   # (an unreadable dir below it)
+                raise DataError(f"data dir {p}: cannot list {e.filename or ''}: {e.strerror or e}") from None
             if not found:
                 raise DataError(f"data dir {p} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} "
                                 f"files (hidden ones are skipped)")

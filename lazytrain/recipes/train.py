@@ -91,11 +91,12 @@ def ranks_of(cfg: DictConfig) -> Ranks:
 def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
     """(JobSpec, max_steps): `job.max_steps` is the recipe's, the rest is the planner's JobSpec."""
     d = OmegaConf.to_container(cfg.job, resolve=True)
-    max_steps = int(d.pop("max_steps", 0) or 0)
+    max_steps = d.pop("max_steps", None)
     if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping
         d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None
-    if max_steps < 1:
-        raise ConfigError(f"job.max_steps must be >= 1, got {max_steps}")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        # (int() took 2.7 as 2 steps without a word, and 'abc' with a traceback)
+        raise ConfigError(f"job.max_steps must be a whole number >= 1, got {max_steps!r}")
     try:
         return JobSpec.from_dict(d), max_steps
     except (TypeError, ValueError) as e:
@@ -151,10 +152,10 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
     return files, tok_dir
 
 
-def data_files(d: DictConfig) -> list:
-    """data.files as a list: `data.files=notes.jsonl` (one path, not in brackets) is that one
-    file, not a sequence of one-character names."""
-    files = d.get("files")
+def data_files(d: DictConfig, key: str = "files") -> list:
+    """data.files (or data.eval_files) as a list: `data.files=notes.jsonl` (one path, not in
+    brackets) is that one file, not a sequence of one-character names."""
+    files = d.get(key)
     if files is None or files == "":
         return []
     if OmegaConf.is_list(files) or isinstance(files, (list, tuple)):
@@ -268,7 +269,7 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
     """(training data, evaluation data or None): data.eval_files, read as the training files are,
     or the last data.eval_fraction of the training sequences, held out."""
     d = cfg.data
-    files, frac = list(d.get("eval_files") or []), d.get("eval_fraction") or 0
+    files, frac = data_files(d, "eval_files"), d.get("eval_fraction") or 0
     if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
         raise ConfigError(f"data.eval_fraction must be a number in [0, 1), got {frac!r}")
     if files and frac:
@@ -343,6 +344,7 @@ def run_settings(cfg: DictConfig) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name} must be {what}, got {v!r}")
 
+    whole("seed", 0, "a whole number >= 0")   # (1.5 ran seed 1, 'abc' gave a traceback)
     whole("save_every", 0, "a whole number >= 0 (N: a checkpoint every N steps; 0: only at the end)")
     whole("stop_at_step", 1, "a step >= 1, or null (no planned stop)", allow_null=True)
     whole("keep_checkpoints", 1, "a whole number >= 1")
@@ -375,12 +377,9 @@ def optim_settings(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"optim.betas must be two numbers, got {betas!r}")
     num("min_lr_ratio", o.get("min_lr_ratio", 0), lambda x: 0 <= x <= 1,
         "in [0, 1] (the cosine ends at lr * min_lr_ratio)")
-    try:
-        warmup = int(o.get("warmup_steps", 0))
-    except (TypeError, ValueError):
-        raise ConfigError(f"optim.warmup_steps must be a whole number, got {o.get('warmup_steps')!r}") from None
-    if warmup < 0:
-        raise ConfigError(f"optim.warmup_steps must be >= 0 (0: no warmup), got {warmup}")
+    warmup = o.get("warmup_steps", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:   # (1.5 warmed up 1 step)
+        raise ConfigError(f"optim.warmup_steps must be a whole number >= 0 (0: no warmup), got {warmup!r}")
     mgn = o.max_grad_norm
     return dict(lr=num("lr", o.lr, lambda x: 0 < x < math.inf, "> 0 (and finite)"),
                 betas=tuple(num("betas", b, lambda x: 0 <= x < 1, "in [0, 1) (each of the two)")
