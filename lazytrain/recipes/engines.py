@@ -92,8 +92,12 @@ class TorchEngine:
         # fp32 master: fp32 weights + autocast; bf16 master: pure-bf16 training (the model in bf16)
         self.model = model.to(device)
         if master_dtype != torch.float32:   # parameters only: buffers (rotary inv_freq) keep fp32
+            # A LoRA model's adapters stay fp32, with fp32 moments, as the streaming executor keeps
+            # them (the frozen base is what goes bf16); a review found them cast to bf16 here
+            lora = hasattr(model, "peft_config")
             for p in model.parameters():
-                p.data = p.data.to(master_dtype)
+                if not (lora and p.requires_grad):
+                    p.data = p.data.to(master_dtype)
         self.device = device
         self.compute_dtype = compute_dtype if master_dtype == torch.float32 else master_dtype
         # autocast only to run fp32 weights in the compute dtype (a bf16 model runs as it is)
