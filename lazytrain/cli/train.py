@@ -232,6 +232,10 @@ def _unquoted(override: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _normalise(list(sys.argv[1:] if argv is None else argv))
+    for a in argv:   # a sweep job's dir (DIR/optim.lr=0.003) unquoted: Hydra's parse error names no fix
+        if _key(a) == "output_dir" and "=" in a.split("=", 1)[1] and a.split("=", 1)[1][:1] not in "'\"":
+            return _error(f"{a}: the path holds '=' (a sweep job's dir), which Hydra reads as another "
+                          f"setting; quote it: output_dir='{a.split('=', 1)[1]}'")
     argv, taken = _with_run_settings(argv)
     if taken:
         print(f"lazytrain train: resume=true: the run's settings from its .hydra/overrides.yaml: "

@@ -151,3 +151,11 @@ def test_a_lora_resume_with_other_adapters_or_base_weights_is_refused(text_data,
     moved = tmp_path / "moved-model"
     shutil.copytree(mdir, moved)   # the same weights elsewhere resume
     assert cli.main([f"output_dir={run}", "resume=true", f"model.path={moved}"]) == 0
+
+
+def test_an_unquoted_sweep_dir_says_to_quote_it(tmp_path, capsys):
+    """Review: `output_dir=DIR/optim.lr=0.003` (unquoted) got Hydra's raw 'mismatched input' error."""
+    out = tmp_path / "sweep" / "optim.lr=0.003"
+    assert cli.main([f"output_dir={out}", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"quote it: output_dir='{out}'" in err and "mismatched" not in err
