@@ -46,9 +46,10 @@ def _check_group_choices(overrides: list[str]) -> None:
     for ov in overrides:
         key, _, value = ov.lstrip("+~").partition("=")
         if key in ("model", "hardware", "moe", "data") and value:
-            if value == "measured" and key == "hardware":
-                continue
             names = available(key)
+            if value == "measured" and key == "hardware" and value not in names:
+                raise ConfigError("hardware=measured: no measured profile yet; run `lazytrain profile "
+                                  "hardware=NAME model=...` first (it writes configs/hardware/measured.yaml)")
             if names and value not in names:
                 raise ConfigError(f"unknown {key} {value!r}; valid: {', '.join(names)}")
 

@@ -183,8 +183,12 @@ def cmd_compare(args: list[str]) -> int:
     for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
         plan = plan_job(model, hw, job, opts, cache_dir=cache_dir, use_cache=use_cache, method=method)
         if plan.fits:
-            rows.append((method, f"{plan.predicted.step_time_s:.4g}", f"{plan.predicted.tokens_per_s:,.0f}",
+            # a MILP that ran out of time returns the best heuristic's plan: the row says so
+            label = f"{method} (fallback: {_fallback_name(plan)})" if plan.solver.fell_back else method
+            rows.append((label, f"{plan.predicted.step_time_s:.4g}", f"{plan.predicted.tokens_per_s:,.0f}",
                          f"{plan.predicted.peak_bytes['device'] / GiB:.2f}", "yes"))
+            if plan.solver.fell_back:
+                why.append(f"{method}: {plan.solver.status_detail}")
         else:
             rows.append((method, "-", "-", "-", "no"))
             # whole, below the table (cut to the column, the amounts it names were lost)
@@ -196,6 +200,12 @@ def cmd_compare(args: list[str]) -> int:
         print(line)
     # exit 2 when no method fits, as plan and plan max-batch do
     return 0 if any(r[-1] == "yes" for r in rows) else 2
+
+
+def _fallback_name(plan) -> str:
+    """The heuristic a timed-out MILP returned, from its status line ('... best heuristic (X) returned')."""
+    d = plan.solver.status_detail
+    return d.rsplit("(", 1)[-1].split(")", 1)[0] if "(" in d else "heuristic"
 
 
 MAX_BATCH_CAP = 4096   # plan max-batch searches up to this micro-batch

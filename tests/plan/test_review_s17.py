@@ -213,3 +213,39 @@ def test_plan_and_train_use_one_cache_dir(tmp_path, monkeypatch):
     assert c.planner_cache_dir(cfg) == elsewhere / "relcache"
     assert c.planner_cache_dir(absolute) == tmp_path / "abs"
 
+
+
+def test_plan_with_no_measured_profile_says_to_profile(tmp_path, monkeypatch, capsys):
+    """Review: `plan hardware=measured` before `lazytrain profile` said only that Hydra could not
+    find 'hardware/measured' (train said what to run)."""
+    import shutil
+
+    from lazytrain.cli.config import config_dir
+    from lazytrain.cli.main import main as cli_main
+
+    cfgs = tmp_path / "configs"
+    shutil.copytree(config_dir(), cfgs)
+    (cfgs / "hardware" / "measured.yaml").unlink(missing_ok=True)
+    monkeypatch.setenv("LAZYTRAIN_CONFIG_DIR", str(cfgs))
+    assert cli_main(["plan", "hardware=measured"]) == 2
+    assert "run `lazytrain profile hardware=NAME" in capsys.readouterr().err
+
+
+def test_compare_marks_a_timed_out_milps_fallback(monkeypatch, capsys):
+    """Review: `plan compare` showed the heuristic plan a timed-out MILP returned as the MILP's row."""
+    import lazytrain.plan as planmod
+    from lazytrain.cli.main import main as cli_main
+    from lazytrain.plan.plan import FALLBACK_DETAIL
+
+    real = planmod.plan_job
+
+    def timed_out(*a, method="milp", **kw):
+        p = real(*a, method=method, **kw)
+        if method != "milp":
+            return p
+        return replace(p, solver=replace(p.solver, status_detail=f"{FALLBACK_DETAIL}0.01 s hit before the MILP "
+                                                               f"found a plan; best heuristic (every-k) returned"))
+    monkeypatch.setattr(planmod, "plan_job", timed_out)
+    assert cli_main(["plan", "compare", "model=tiny-llama", "planner.cache=false"]) == 0
+    out = capsys.readouterr().out
+    assert "milp (fallback: every-k)" in out and "best heuristic (every-k) returned" in out
