@@ -216,18 +216,26 @@ def cmd_max_batch(args: list[str]) -> int:
     model, hw, job, opts, use_cache, cache_dir = _inputs(args)
     rows = []
     best = {}
+    cut_short = False
     for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
-        b = max_batch(model, hw, job, opts, method, limit=MAX_BATCH_CAP)
+        cut: dict = {}
+        b = max_batch(model, hw, job, opts, method, limit=MAX_BATCH_CAP, report=cut)
         best[method] = b
+        cut_short |= bool(cut)
         tps = "-"
         if b:
             p = plan_job(model, hw, replace(job, batch_size=b), opts, cache_dir=cache_dir,
                          use_cache=use_cache, method=method)
             tps = f"{p.predicted.tokens_per_s:,.0f}" if p.fits else "-"
         # the search stops at its cap: a batch there is a lower bound, not the largest
-        rows.append((method, f">= {b} (search cap)" if b >= MAX_BATCH_CAP else str(b), tps))
+        # (a time limit that cut the search short leaves a lower bound too)
+        shown = (f">= {b} (search cap)" if b >= MAX_BATCH_CAP else f">= {b} (time limit)" if cut else str(b))
+        rows.append((method, shown, tps))
     _table(f"largest micro-batch: {model.name} on {hw.name}, {job.mode}, seq {job.seq_len}, "
            f"device {hw.device_memory_gib:g} GiB", ("method", "max batch", "tokens/s at max"), rows)
+    if cut_short:
+        print(f"some searches hit planner.time_limit_s={opts.time_limit_s} before deciding a batch: those "
+              f"rows are lower bounds; raise planner.time_limit_s for the largest")
     global_batch = job.batch_size * job.grad_accum
     if best["milp"] and global_batch > 1:
         splits = best_split(model, hw, job, opts, global_batch, best["milp"])
@@ -235,7 +243,7 @@ def cmd_max_batch(args: list[str]) -> int:
                ("micro-batch", "grad_accum", "step s", "tokens/s"),
                [(str(b), str(g), f"{p.predicted.step_time_s:.4g}", f"{p.predicted.tokens_per_s:,.0f}")
                 for b, g, p in splits])
-    return 0 if best["milp"] else 2
+    return 0 if best["milp"] or cut_short else 2   # (unknown is not "does not fit")
 
 
 def _table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:

@@ -66,11 +66,18 @@ def versions() -> dict[str, str]:
 
 def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pins | None,
            **kw) -> MilpResult:
-    """solve_milp with the planner options (`kw` adds to or overrides them)."""
+    """solve_milp with the planner options (`kw` adds to or overrides them). Counts the solves that
+    end on the time limit without an answer (TIMEOUTS): an explanation built on one is no fact."""
     args = dict(max_segment_len=options.max_segment_len, depth=options.prefetch_depth,
                 allow_nvme=options.allow_nvme, pins=pins, solver=options.solver,
                 time_limit_s=options.time_limit_s, mip_gap=options.mip_gap)
-    return solve_milp(costs, hw, **{**args, **kw})
+    r = solve_milp(costs, hw, **{**args, **kw})
+    if r.status == "timeout":
+        TIMEOUTS[0] += 1
+    return r
+
+
+TIMEOUTS = [0]   # solves that hit planner.time_limit_s before an answer (this process)
 
 
 def pins_for(method: str, num_blocks: int, job: JobSpec | None = None,
@@ -127,7 +134,13 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     if timed_out:   # no plan found in time is no proof that none fits: say so, not what would fit
         plan = _empty_plan(model, hw, job, options, method, h, r, (_timed_out_line(options),))
     elif r.status == "infeasible":
+        before = TIMEOUTS[0]
         lines = explain_infeasible(model, hw, job, options, method) if explain else ()
+        if TIMEOUTS[0] > before:   # (a figure in it came from a search the time limit cut short)
+            timed_out = True        # not cached: the next run, or a longer limit, may say more
+            if not any("time_limit_s" in line for line in lines):
+                lines = [*lines, f"(some of these figures come from searches that hit planner.time_limit_s="
+                                 f"{options.time_limit_s}; raise it for exact ones)"]
         plan = _empty_plan(model, hw, job, options, method, h, r, tuple(lines))
     else:
         plan = build_plan(model, hw, job, options, method, h, costs, r)
@@ -362,24 +375,41 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
                for a in found if a is not None)
 
 
-def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions, method: str = "milp") -> bool:
+def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+         method: str = "milp") -> bool | None:
     """Whether some plan fits the device budget: the model plan_job solves, with its device
     capacity row, asked for any plan (the first found ends the solve), so that a batch called too
     large is one plan_job cannot plan either. Deciding with the minimum (min_device_bytes) called
     tiny-llama's batch 41 too large at 0.3 GiB, which plan_job and offload-all plan: HiGHS had
-    reported that minimum 0.8% high as optimal. A time limit hit first counts as no."""
+    reported that minimum 0.8% high as optimal. A time limit hit first: for the MILP, a heuristic's
+    plan that fits is a yes (plan_job would return it, as its fallback); else None, unknown (it was
+    counted a no: `plan max-batch` gave the MILP a smaller batch than the heuristics, or 0)."""
     costs = job_costs(model, hw, job)
-    r = _solve(costs, hw, options, pins_for(method, model.num_layers, job, options), minimize="device_peak",
-               device_capacity_bytes=costs.device_capacity_bytes, mip_gap=1.0)
-    return r.assignment is not None and r.status in ("optimal", "feasible")
+
+    def one(pins) -> bool | None:
+        r = _solve(costs, hw, options, pins, minimize="device_peak",
+                   device_capacity_bytes=costs.device_capacity_bytes, mip_gap=1.0)
+        if r.status == "timeout":
+            return None
+        return r.assignment is not None and r.status in ("optimal", "feasible")
+
+    got = one(pins_for(method, model.num_layers, job, options))
+    if got is None and method == "milp":
+        answers = [one(pins_for(f"heuristic:{name}", model.num_layers, job, options)) for name in HEURISTICS]
+        got = True if any(answers) else None
+    return got
 
 
 def max_batch(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
-              method: str = "milp", limit: int = 4096) -> int:
+              method: str = "milp", limit: int = 4096, report: dict | None = None) -> int:
     """Largest micro-batch whose plan fits (0 if even batch 1 does not). Feasibility is monotone
-    in the batch, so exponential search then bisection."""
+    in the batch, so exponential search then bisection. A probe the time limit left unknown counts
+    as a no, and `report["timed_out"]` (when given) says the answer is then only a lower bound."""
     def ok(b: int) -> bool:
-        return fits(model, hw, replace(job, batch_size=b), options, method)
+        got = fits(model, hw, replace(job, batch_size=b), options, method)
+        if got is None and report is not None:
+            report["timed_out"] = True
+        return bool(got)
     if not ok(1):
         return 0
     lo, hi = 1, 2
@@ -576,8 +606,10 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                        method: str = "milp") -> list[str]:
     need = min_device_bytes(model, hw, job, options, method)
     what = "no plan fits" if method == "milp" else f"{method} does not fit"
-    if need == TIMED_OUT:
-        return [_timed_out_line(options)]
+    if need == TIMED_OUT:   # (plan_job calls this for a proven infeasibility: only the advice is unknown)
+        return [f"{what} hardware.device_memory_gib={hw.device_memory_gib} (proven); the search for the "
+                f"device memory it needs hit planner.time_limit_s={options.time_limit_s}: raise it for "
+                f"what would fit"]
     if need is None:
         host, nvme = _least_host_and_nvme(model, hw, job, options, method)
         # what the planner gives the host: less the reserve and, for a CPU device, its budget
@@ -595,11 +627,18 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         return [f"{what}: the parameters, gradients and optimizer state of {model.name} "
                 f"({model.param_count / 1e9:.2f}B params, mode {job.mode}) do not fit off the device: "
                 f"{why}; {_off_device_advice(model, hw, job, options, method, host, nvme)}"]
-    best = 0
+    best, cut = 0, {}
     if job.batch_size > 1:
-        best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1)
+        best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1,
+                         report=cut)
     if best:
         tail = f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} (job.batch_size={best})"
+        if cut:
+            tail = (f"batch {best} fits {_gib(hw.device_memory_bytes)} (job.batch_size={best}; larger ones "
+                    f"were cut short by planner.time_limit_s)")
+    elif cut:
+        tail = (f"no batch was found to fit {_gib(hw.device_memory_bytes)} before planner.time_limit_s ran "
+                f"out (raise it to know)")
     else:
         # whether any sequence length would do: the weights' streaming buffers and the workspace
         # do not shrink with it (review: "shorten job.seq_len" at seq 16, which needed 4.28 GiB)

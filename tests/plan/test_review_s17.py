@@ -249,3 +249,35 @@ def test_compare_marks_a_timed_out_milps_fallback(monkeypatch, capsys):
     assert cli_main(["plan", "compare", "model=tiny-llama", "planner.cache=false"]) == 0
     out = capsys.readouterr().out
     assert "milp (fallback: every-k)" in out and "best heuristic (every-k) returned" in out
+
+
+def test_max_batch_says_when_the_time_limit_cut_its_search(capsys):
+    """Review: a time-limited probe counted as 'does not fit': every row 0 and exit 2 at a 1 ms limit
+    for a job `plan` plans, or the MILP's max batch below the heuristics'."""
+    from lazytrain.cli.main import main as cli_main
+
+    assert cli_main(["plan", "max-batch", "model=llama3-8b", "hardware=rtx3090", "planner.time_limit_s=0.001",
+                     "planner.cache=false"]) == 0
+    out = capsys.readouterr().out
+    assert "(time limit)" in out and "lower bounds; raise planner.time_limit_s" in out
+
+
+def test_an_explanation_built_on_a_timed_out_search_is_not_cached(tiny, tmp_path, monkeypatch):
+    """Review: a proven infeasibility was explained from sub-solves that hit the time limit ('hit the
+    time limit before finding any plan or proving none fits', or a wrong largest batch) and the
+    explanation was cached and served on every rerun."""
+    from lazytrain.plan import solve
+
+    model, h, job = tiny
+    real = solve.min_device_bytes
+
+    def timed_out(*a, **kw):
+        solve.TIMEOUTS[0] += 1
+        return solve.TIMED_OUT
+    monkeypatch.setattr(solve, "min_device_bytes", timed_out)
+    p = plan_job(model, replace(h, device_memory_gib=0.0001), job, cache_dir=tmp_path)
+    assert not p.fits and "(proven)" in p.explanation[0] and "time_limit_s" in p.explanation[0]
+    assert not list(tmp_path.glob("*.json"))   # not cached
+    monkeypatch.setattr(solve, "min_device_bytes", real)
+    p = plan_job(model, replace(h, device_memory_gib=0.0001), job, cache_dir=tmp_path)
+    assert "needs at least" in p.explanation[0] and list(tmp_path.glob("*.json"))   # a full answer is
