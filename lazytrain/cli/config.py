@@ -108,6 +108,10 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
     except HydraException as e:
         lines = str(e).splitlines()
         # keep Hydra's hint for a key the config does not declare ("To append to your config use +k=v")
+        if lines and lines[0].startswith("Ambiguous value"):   # (k=a,b: Hydra's numbered ways, in one line)
+            key = lines[0].split("'", 2)[1].split("=", 1)[0] if lines[0].count("'") >= 2 else "key"
+            raise ConfigError(f"{lines[0]}; use a list, {key}=[a,b], or quote it, {key}='a,b' (or "
+                              f"--multirun to sweep over it)") from None
         hint = [x for x in lines[1:2] if x.startswith("To append")]
         raise ConfigError(" ".join(lines[:1] + hint)) from None
     check_bool_settings(cfg)

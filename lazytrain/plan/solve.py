@@ -646,7 +646,7 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         floor = min_device_bytes(model, hw, shortest, options, method) if shortest != job else need
         if floor != TIMED_OUT and (floor is None or floor > hw.device_memory_bytes):   # (timed out: unknown)
             tail = (f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}, nor would any sequence length "
-                    + (f"(job.seq_len={shortest.seq_len} needs {_gib(floor, up=True)}: streaming buffers and "
+                    + (f"(job.seq_len={shortest.seq_len} needs {_up_setting(floor)[1]} GiB: streaming buffers and "
                        f"workspace)" if floor is not None else "")
                     + ": add device memory")
         else:

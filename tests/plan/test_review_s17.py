@@ -281,3 +281,21 @@ def test_an_explanation_built_on_a_timed_out_search_is_not_cached(tiny, tmp_path
     monkeypatch.setattr(solve, "min_device_bytes", real)
     p = plan_job(model, replace(h, device_memory_gib=0.0001), job, cache_dir=tmp_path)
     assert "needs at least" in p.explanation[0] and list(tmp_path.glob("*.json"))   # a full answer is
+
+
+def test_hydras_ways_to_write_a_list_are_kept_and_the_seq16_floor_is_rounded_alike(capsys):
+    """Review: `job.lora_targets=q_proj,v_proj` said only 'Ambiguous value' (Hydra's next lines, how
+    to write a list, were cut); and the advice rounded the seq-16 floor up to 2 decimals (0.26 GiB)
+    but the job's need to 3 digits (0.252): the shorter sequence looked hungrier."""
+    import re
+
+    from lazytrain.cli.main import main as cli_main
+
+    assert cli_main(["plan", "job.lora_targets=q_proj,v_proj"]) == 2
+    assert "use a list, job.lora_targets=[a,b], or quote it" in capsys.readouterr().err
+    assert cli_main(["plan", "model=tiny-llama", "hardware.device_memory_gib=0.01", "planner.cache=false"]) == 2
+    io = capsys.readouterr()
+    out = io.out + io.err
+    need = float(re.search(r"needs at least ([0-9.]+) GiB", out).group(1))
+    floor = float(re.search(r"job.seq_len=16 needs ([0-9.]+) GiB", out).group(1))
+    assert floor <= need
