@@ -547,6 +547,14 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     else:
         more = (f"add {short} (with {' '.join(needs)} alone it still does not plan: the device needs "
                 f"more memory too)")
+    if "nvme_capacity_gib" in more_hw and options.allow_nvme:
+        # or no NVMe at all: the host-only layouts' floor, where more host memory plans it
+        # (review: with NVMe capacity 0 only NVMe was suggested)
+        host_only = min(p["host"] for p in _off_device_layouts(model, hw, job, replace(options, allow_nvme=False),
+                                                               method))
+        alt = replace(hw, host_memory_gib=max(hw.host_memory_gib, _up(host_only + extra)))
+        if alt.host_memory_gib > hw.host_memory_gib and _planned(model, alt, job, options, method) is not None:
+            more += f", or add host memory instead (hardware.host_memory_gib={alt.host_memory_gib:.2f}, no NVMe)"
     if fixes:
         return f"{more}, or use {' or '.join(fixes)}"
     tried = [label for label, _ in changes]
@@ -622,8 +630,8 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
             why = (f"the host needs about {_gib(host, up=True)} {where} (the least of the layouts checked; "
                    f"it has {usable})")
         else:
-            why = (f"host ({usable}) and NVMe ({_gib(hw.nvme_capacity_bytes)}) "
-                   f"together hold less than the ~{_gib(host + nvme)} it needs")
+            why = (f"host ({usable}) and NVMe ({_gib(hw.nvme_capacity_bytes)}) hold less than the "
+                   f"layout that needs the least host memory: ~{_gib(host)} there and {_gib(nvme)} on NVMe")
         return [f"{what}: the parameters, gradients and optimizer state of {model.name} "
                 f"({model.param_count / 1e9:.2f}B params, mode {job.mode}) do not fit off the device: "
                 f"{why}; {_off_device_advice(model, hw, job, options, method, host, nvme)}"]

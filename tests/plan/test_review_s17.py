@@ -299,3 +299,18 @@ def test_hydras_ways_to_write_a_list_are_kept_and_the_seq16_floor_is_rounded_ali
     need = float(re.search(r"needs at least ([0-9.]+) GiB", out).group(1))
     floor = float(re.search(r"job.seq_len=16 needs ([0-9.]+) GiB", out).group(1))
     assert floor <= need
+
+
+def test_without_nvme_capacity_the_host_only_fix_is_offered_and_plans():
+    """Review: with NVMe capacity 0 the advice said the job needs ~137 GiB of host + NVMe (the
+    NVMe layout's total, staging buffers included; everything on the host needs 119.7) and offered
+    only NVMe; more host memory plans it too."""
+    import re
+
+    m, hw, job, opts = _specs("model=llama3-8b", "hardware=rtx3090", "job.seq_len=2048",
+                              "hardware.nvme_capacity_gib=0", "hardware.host_memory_gib=64")
+    p = plan_job(m, hw, job, opts, cache_dir=None)
+    text = " ".join(p.explanation)
+    assert not p.fits and "~47.53 GiB there and 89.75 GiB on NVMe" in text
+    host = float(re.search(r"add host memory instead \(hardware.host_memory_gib=([0-9.]+), no NVMe\)", text).group(1))
+    assert plan_job(m, replace(hw, host_memory_gib=host), job, opts, cache_dir=None, explain=False).fits
