@@ -579,8 +579,18 @@ def _other_device_fixes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         c = min_device_bytes(model, hw, chunked, options, method)
         if isinstance(c, int) and c != TIMED_OUT and c < need:
             fits = c <= hw.device_memory_bytes
+            then = "plans it" if fits else f"brings the need down to {_gib(c, up=True)}"
+            if not fits and hw.device_type == "cpu":
+                # a CPU device's budget comes out of host RAM: the host grows with it, where it must
+                # (review: the lower device figure alone did not plan)
+                dev_gib, dev_txt = _up_setting(c)
+                more = replace(hw, device_memory_gib=dev_gib)
+                if _planned(model, more, chunked, options, method) is None:
+                    host_gib = _up(hw.host_memory_gib * GiB + (dev_gib - hw.device_memory_gib) * GiB)
+                    then += (f" (hardware.device_memory_gib={dev_txt} and hardware.host_memory_gib="
+                             f"{host_gib:.2f}: the host grows with a CPU device's memory)")
             out.append(f"job.loss_chunk_tokens={CHUNK_SUGGESTED} (the loss over chunks of tokens, never all "
-                       f"logits at once) {'plans it' if fits else f'brings the need down to {_gib(c, up=True)}'}")
+                       f"logits at once) {then}")
     host, _ = _least_host_and_nvme(model, hw, job, options, method)
     if host > hw.host_capacity_bytes:
         extra = int(hw.host_reserve_gib * GiB) + (hw.device_memory_bytes if hw.device_type == "cpu" else 0)

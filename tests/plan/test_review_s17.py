@@ -314,3 +314,19 @@ def test_without_nvme_capacity_the_host_only_fix_is_offered_and_plans():
     assert not p.fits and "~47.53 GiB there and 89.75 GiB on NVMe" in text
     host = float(re.search(r"add host memory instead \(hardware.host_memory_gib=([0-9.]+), no NVMe\)", text).group(1))
     assert plan_job(m, replace(hw, host_memory_gib=host), job, opts, cache_dir=None, explain=False).fits
+
+
+def test_the_chunked_loss_suggestion_on_a_cpu_device_grows_the_host_too():
+    """Review: on a CPU device the chunked-loss suggestion quoted the lower device need alone, which
+    did not plan: a CPU device's memory comes out of host RAM, so the host must grow with it."""
+    import re
+
+    m, hw, job, opts = _specs("model=small-llama", "job.batch_size=64", "job.seq_len=512",
+                              "hardware.device_memory_gib=1", "hardware.host_memory_gib=5.2")
+    text = " ".join(plan_job(m, hw, job, opts, cache_dir=None).explanation)
+    got = re.search(r"job.loss_chunk_tokens=1024 [^;]*hardware.device_memory_gib=([0-9.]+) and "
+                    r"hardware.host_memory_gib=([0-9.]+)", text)
+    assert got, text
+    dev, host = float(got.group(1)), float(got.group(2))
+    assert plan_job(m, replace(hw, device_memory_gib=dev, host_memory_gib=host), replace(job, loss_chunk_tokens=1024),
+                    opts, cache_dir=None, explain=False).fits
