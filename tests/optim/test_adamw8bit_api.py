@@ -493,25 +493,30 @@ def test_parameters_over_shared_memory_are_refused_and_disjoint_slices_update(ba
     assert torch.equal(a, ca) and torch.equal(b, cb)
 
 
+def _three_steps(backend: str, n: int, spoil):
+    """(weights, state) after three steps of random gradients, `spoil` applied to the second's."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n, generator=g))
+    opt = AdamW8bit([p], backend=backend)
+    for s in range(3):
+        p.grad = torch.randn(n, generator=g)
+        if s == 1:
+            spoil(p.grad)
+        opt.step()
+    return p.detach().clone(), opt.state[p]
+
+
 @pytest.mark.parametrize("where", [0, 10, 63, 255, 300])
 def test_a_nan_gradient_element_nans_that_weight_only_in_every_kernel(where):
     """Review: without clipping, one NaN gradient element made its weight NaN under the C++ kernel
     and torch's AdamW, but the pure-torch kernel's block maximum propagated the NaN and its whole
     256-element block went NaN (the CUDA compiled kernel has the same maximum). The block maxima
     skip NaN in every kernel now, and the kernels agree on every other element and block scale."""
-    out = {}
-    for backend in ("auto", "torch"):
-        g = torch.Generator().manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(4096, generator=g))
-        opt = AdamW8bit([p], backend=backend)
-        for s in range(3):
-            p.grad = torch.randn(4096, generator=g)
-            if s == 1:
-                p.grad[where] = float("nan")
-            opt.step()
-        assert p.isnan().nonzero().flatten().tolist() == [where], backend
-        out[backend] = (p.detach().clone(), opt.state[p])
-    (wa, sa), (wt, st) = out["auto"], out["torch"]
+    def spoil(grad):
+        grad[where] = float("nan")
+    (wa, sa), (wt, st) = (_three_steps(backend, 4096, spoil) for backend in ("auto", "torch"))
+    for w in (wa, wt):
+        assert w.isnan().nonzero().flatten().tolist() == [where]
     keep = torch.ones(4096, dtype=torch.bool)
     keep[where] = False
     assert torch.equal(wa[keep], wt[keep])
@@ -523,18 +528,9 @@ def test_an_overflowed_v_block_stores_the_same_codes_in_every_kernel():
     """Review: a gradient of 1e19 (no clipping) makes v infinite and its block's maximum inf; the
     other elements normalise to 0 and the inf one to NaN, which the VBMI kernel stored as code 255
     and the torch kernel as 1 (4864 of 5000 codes differed). NaN gets the smallest code everywhere."""
-    out = []
-    for backend in ("auto", "torch"):
-        g = torch.Generator().manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(5000, generator=g))
-        opt = AdamW8bit([p], backend=backend)
-        for s in range(3):
-            p.grad = torch.randn(5000, generator=g)
-            if s == 1:
-                p.grad[::100] = 1e19
-            opt.step()
-        out.append((p.detach().clone(), opt.state[p]))
-    (wa, sa), (wt, st) = out
+    def spoil(grad):
+        grad[::100] = 1e19
+    (wa, sa), (wt, st) = (_three_steps(backend, 5000, spoil) for backend in ("auto", "torch"))
     assert torch.equal(wa, wt)
     for k in ("qm", "qv", "absmax_m", "absmax_v"):
         assert torch.equal(sa[k], st[k]), k
