@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.plan)
     try:
         plan = Plan.from_json(path.read_text())
+        from ..plan.cache import malformed   # (the structure `plan show` checks: review)
+        if why := malformed(plan):
+            raise ValueError(why)
     except FileNotFoundError:
         print(f"export-deepspeed: plan file {path} not found", file=sys.stderr)
         return 2
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"export-deepspeed: {e}", file=sys.stderr)
         return 2
+    pinned = pinned_swap_note(cfg, plan)
     out = Path(args.out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvme_dir is None and uses_nvme(cfg):
         print(f"note: NVMe offload writes to {default_nvme_dir()} (the default); --nvme-dir DIR puts it "
               f"on the drive you mean")
-    pinned = pinned_swap_note(cfg, plan)
     if pinned is not None:
         print(("warning: " if pinned[1] else "note: ") + pinned[0])
     if "gradient_clipping" not in cfg:   # (the plan clips, but its threshold is the recipe's setting)

@@ -172,8 +172,9 @@ def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 # settings that name files or dirs: relative ones in a run's record are taken from where it started
+# (planner.cache_dir has its own resolver, cli.config.planner_cache_dir, for plan and train alike)
 PATH_KEYS = ("model.path", "data.files", "data.eval_files", "data.tokenizer", "data.chat_template",
-             "data.cache_dir", "storage.nvme_dir", "planner.cache_dir", "deepspeed_config")
+             "data.cache_dir", "storage.nvme_dir", "deepspeed_config")
 
 
 def _recorded_cwd(hydra_yaml: Path) -> Path | None:
@@ -189,8 +190,10 @@ def _recorded_cwd(hydra_yaml: Path) -> Path | None:
 
 def _rerooted(override: str, cwd: Path) -> str:
     """`key=value` with the relative paths of a path setting (PATH_KEYS) made absolute under `cwd`,
-    the run's starting dir: a resume from another dir reads the run's own files. Other settings,
-    absolute paths, `~` paths and values Hydra cannot parse are left as they are."""
+    the run's starting dir, where they exist there: a resume from another dir reads the run's own
+    files. Other settings, absolute and `~` paths, interpolations (`${...}`), paths that do not
+    exist under `cwd` (a project moved or mounted elsewhere: they resolve from the current dir, as
+    before) and values Hydra cannot parse are left as they are."""
     if _key(override) not in PATH_KEYS:
         return override
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -204,7 +207,9 @@ def _rerooted(override: str, cwd: Path) -> str:
         return override   # (null, numbers)
 
     def fix(v: str) -> str:
-        return v if not v or os.path.isabs(v) or v.startswith("~") else str(cwd / v)
+        if not v or os.path.isabs(v) or v.startswith("~") or "${" in v:
+            return v
+        return str(cwd / v) if (cwd / v).exists() else v
 
     fixed = [fix(v) for v in items]
     if fixed == items:

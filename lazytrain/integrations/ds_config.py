@@ -236,7 +236,7 @@ def _trainable_sizes(plan: Plan, spec) -> list[int]:
     sizes: list[int] = []
     for layer in spec.layers:
         mats = [lin.in_features * lin.out_features * max(1, lin.count) for lin in layer.linears]
-        if layer.kind == "embed":
+        if layer.kind != "block":   # (the head's param_count leaves out a tied lm_head: the embedding's)
             mats = [layer.param_count]
         sizes += mats + ([layer.param_count - sum(mats)] if layer.param_count > sum(mats) else [])
     return sizes
@@ -272,16 +272,19 @@ def pinned_swap_buffers(cfg: Mapping[str, Any], plan: Plan) -> list[tuple[str, i
         return []
     out: list[tuple[str, int, str]] = []
     half = any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16"))
+    count = lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
     par = zero.get("offload_param")
     if isinstance(par, Mapping) and par.get("device") == "nvme":
-        n, size, e = int(par.get("buffer_count", 5)), int(par.get("buffer_size", 100_000_000)), 2 if half else 4
-        out.append(("offload_param", n * size * e, f"buffer_count {n} x buffer_size {size:,} x {e} B"))
+        n, size, e = count(par.get("buffer_count", 5)), count(par.get("buffer_size", 100_000_000)), 2 if half else 4
+        if n and size:   # (other values are DeepSpeed's parser's to refuse, in one line)
+            out.append(("offload_param", n * size * e, f"buffer_count {n} x buffer_size {size:,} x {e} B"))
     opt = zero.get("offload_optimizer")
     if isinstance(opt, Mapping) and opt.get("device") == "nvme":
-        numel = _largest_sub_group(_trainable_sizes(plan, spec), int(zero.get("sub_group_size", 1_000_000_000)))
-        n = int(opt.get("buffer_count", 4))
-        out.append(("offload_optimizer", n * numel * 4,
-                    f"buffer_count {n} x {numel:,} elements (the largest sub-group) x 4 B"))
+        n, sub = count(opt.get("buffer_count", 4)), count(zero.get("sub_group_size", 1_000_000_000))
+        if n and sub:
+            numel = _largest_sub_group(_trainable_sizes(plan, spec), sub)
+            out.append(("offload_optimizer", n * numel * 4,
+                        f"buffer_count {n} x {numel:,} elements (the largest sub-group) x 4 B"))
     return out
 
 

@@ -66,18 +66,17 @@ def versions() -> dict[str, str]:
 
 def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pins | None,
            **kw) -> MilpResult:
-    """solve_milp with the planner options (`kw` adds to or overrides them). Counts the solves that
-    end on the time limit without an answer (TIMEOUTS): an explanation built on one is no fact."""
+    """solve_milp with the planner options (`kw` adds to or overrides them)."""
     args = dict(max_segment_len=options.max_segment_len, depth=options.prefetch_depth,
                 allow_nvme=options.allow_nvme, pins=pins, solver=options.solver,
                 time_limit_s=options.time_limit_s, mip_gap=options.mip_gap)
-    r = solve_milp(costs, hw, **{**args, **kw})
-    if r.status == "timeout":
-        TIMEOUTS[0] += 1
-    return r
+    return solve_milp(costs, hw, **{**args, **kw})
 
 
-TIMEOUTS = [0]   # solves that hit planner.time_limit_s before an answer (this process)
+# answers planner.time_limit_s left unknown that an explanation would state (the device memory a
+# job needs, its largest batch: explain_infeasible counts them), this process; a suggestion a time
+# limit kept from being checked is just not made, and not counted (review)
+TIMEOUTS = [0]
 
 
 def pins_for(method: str, num_blocks: int, job: JobSpec | None = None,
@@ -625,6 +624,7 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     need = min_device_bytes(model, hw, job, options, method)
     what = "no plan fits" if method == "milp" else f"{method} does not fit"
     if need == TIMED_OUT:   # (plan_job calls this for a proven infeasibility: only the advice is unknown)
+        TIMEOUTS[0] += 1
         return [f"{what} hardware.device_memory_gib={hw.device_memory_gib} (proven); the search for the "
                 f"device memory it needs hit planner.time_limit_s={options.time_limit_s}: raise it for "
                 f"what would fit"]
@@ -649,6 +649,8 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     if job.batch_size > 1:
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1,
                          report=cut)
+    if cut:
+        TIMEOUTS[0] += 1
     if best:
         tail = f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} (job.batch_size={best})"
         if cut:

@@ -162,3 +162,23 @@ def test_nvme_swap_buffers_are_counted_in_pinned_host_memory():
 def _lora_total(model_config, job):
     from lazytrain.spec import ModelSpec
     return ModelSpec.from_hf_config(dict(model_config)).lora_param_count(job.lora_rank, tuple(job.lora_targets))
+
+
+def test_swap_buffer_figures_skip_values_deepspeed_must_refuse_and_a_tied_head():
+    """Review: non-integer swap settings (buffer_count=abc, buffer_size=null, sub_group_size='1e9')
+    were turned into ints for the figures and raised a traceback before DeepSpeed's parser could
+    refuse them in one line; a tied lm_head was counted again in the optimizer's sub-groups (+28%
+    for a Qwen2.5-0.5B shape)."""
+    from lazytrain.integrations.ds_config import _trainable_sizes, pinned_swap_buffers
+    from lazytrain.spec import ModelSpec
+
+    plan = make_plan()
+    for bad in ({"offload_param": {"device": "nvme", "buffer_count": "abc"}},
+                {"offload_param": {"device": "nvme", "buffer_size": None}},
+                {"offload_optimizer": {"device": "nvme"}, "sub_group_size": "1e9"}):
+        cfg, _ = ds_config_from_plan(plan, overrides={"zero_optimization": bad})
+        assert all(sec not in bad for sec, _, _ in pinned_swap_buffers(cfg, plan))
+    qwen = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    spec = ModelSpec.from_hf_config(qwen)
+    assert sum(_trainable_sizes(make_plan(qwen), spec)) == sum(layer.param_count for layer in spec.layers)

@@ -330,3 +330,38 @@ def test_the_chunked_loss_suggestion_on_a_cpu_device_grows_the_host_too():
     dev, host = float(got.group(1)), float(got.group(2))
     assert plan_job(m, replace(hw, device_memory_gib=dev, host_memory_gib=host), replace(job, loss_chunk_tokens=1024),
                     opts, cache_dir=None, explain=False).fits
+
+
+def test_a_suggestion_check_cut_by_its_cap_does_not_mark_the_answer(tmp_path, monkeypatch):
+    """Review of the above: every solver time-out during the explanation was counted, the capped
+    suggestion checks' included (and those a heuristic fallback answered), so an infeasible answer
+    told the user to raise a limit that does not govern them, and was never cached."""
+    from lazytrain.plan import solve
+
+    monkeypatch.setattr(solve, "SUGGESTION_TIME_LIMIT_S", 0.001)   # (10 s: a large model's checks)
+    m, hw, job, opts = _specs("model=tiny-llama", "hardware=cpu", "hardware.device_memory_gib=0.05",
+                              "job.seq_len=256")
+    p = plan_job(m, hw, job, opts, cache_dir=tmp_path)
+    assert not p.fits and "needs at least" in p.explanation[0]
+    assert not any("time_limit_s" in line for line in p.explanation)
+    assert list(tmp_path.glob("*.json"))   # cached
+
+
+def test_export_deepspeed_refuses_a_damaged_plan_file(tmp_path, capsys):
+    """Review: export-deepspeed turned plan files `plan show` refuses (no peaks, a bogus tier, a
+    segment start outside the plan) into DeepSpeed configs, exit 0."""
+    import json
+
+    from lazytrain.cli.main import main as cli_main
+    from lazytrain.cli.plan_export import main as export_main
+
+    good = tmp_path / "plan.json"
+    assert cli_main(["plan", "model=tiny-llama", "planner.cache=false", "--json", str(good)]) == 0
+    d = json.loads(good.read_text())
+    d["layers"][2]["param_tier"] = "gpu9"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    capsys.readouterr()
+    assert export_main([str(bad), "--out", str(tmp_path / "ds.json")]) == 2
+    assert "not a lazytrain plan" in capsys.readouterr().err and not (tmp_path / "ds.json").exists()
+    assert export_main([str(good), "--out", str(tmp_path / "ds.json")]) == 0

@@ -101,18 +101,30 @@ def test_relative_paths_in_the_record_resolve_from_where_the_run_started(base_ov
 
 
 def test_rerooting_keeps_other_settings_and_quotes_paths(tmp_path):
+    start = tmp_path / "the start"
+    for f in ("m", "a.txt", "it's.jinja"):
+        (start / f).parent.mkdir(parents=True, exist_ok=True)
+        (start / f).write_text("x")
     out = tmp_path / "run"
     (out / ".hydra").mkdir(parents=True)
     (out / ".hydra" / "overrides.yaml").write_text(
-        "- model.path=m\n- data.files=[a.txt,/abs/b.txt,'~/c.txt']\n- optim.lr=0.1\n- data.cache_dir=null\n"
-        "- data.chat_template=\"it's.jinja\"\n")
-    (out / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    cwd: /the start\n")
+        "- model.path=m\n- data.files=[a.txt,/abs/b.txt,'~/c.txt',gone.txt]\n- optim.lr=0.1\n"
+        "- data.cache_dir=null\n- data.chat_template=\"it's.jinja\"\n- data.tokenizer='${oc.env:TOK}/t'\n"
+        "- planner.cache_dir=cache\n")
+    (out / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {start}\n")
     _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true"])
-    assert taken == ["model.path='/the start/m'", "data.files=['/the start/a.txt','/abs/b.txt','~/c.txt']",
-                     "optim.lr=0.1", "data.cache_dir=null", "data.chat_template='/the start/it\\'s.jinja'"]
+    # what exists under the start dir is taken from there; an interpolation (review: made
+    # '/start//srv/...'), a path not there (a moved project: from here, as before) and the plan
+    # cache (its own resolver) are left as given
+    assert taken == [f"model.path='{start}/m'", f"data.files=['{start}/a.txt','/abs/b.txt','~/c.txt','gone.txt']",
+                     "optim.lr=0.1", "data.cache_dir=null", f"data.chat_template='{start}/it\\'s.jinja'",
+                     "data.tokenizer='${oc.env:TOK}/t'", "planner.cache_dir=cache"]
     (out / ".hydra" / "hydra.yaml").write_text("hydra: [broken")
     _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true"])
     assert taken[0] == "model.path=m"   # no readable record of the start dir: as given
+    (out / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {tmp_path / 'moved away'}\n")
+    _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true"])
+    assert taken[0] == "model.path=m"   # the project moved: relative paths resolve from here
 
 
 def test_hydra_quoting_round_trips():
