@@ -180,6 +180,11 @@ class StreamingExecutor:
             raise ValueError("optimizer=adamw8bit keeps fp32 master weights; use master_dtype fp32 "
                              "(job.master_dtype=fp32) or optimizer=adamw")
         self.master_dtype = master_dtype
+        emptied = [n for n, p in model.named_parameters() if p.numel() == 0 and p.device.type != "meta"]
+        if emptied:   # (the structure probe would blame the architecture: "'weight' must be 2-D")
+            raise ValueError(f"{len(emptied)} of the model's parameters are empty ({emptied[0]}, ...): its "
+                             f"weights were moved into a StreamingExecutor that was closed without "
+                             f"sync_model(); call sync_model() before close(), or reload the model")
         self.model = model
         self.plan = plan
         self._cast_to = compute_dtype
@@ -256,10 +261,13 @@ class StreamingExecutor:
         if router_aux_enabled(self.parts):
             self._router = router_aux(self.parts)
 
+        home = {id(p): (p.dtype, p.device) for p in model.parameters()}
         try:
             self._set_up(plan, optimizer, names)
         except BaseException:
-            self._close_partial()   # a constructor that fails leaves no scratch files or threads
+            # a constructor that fails leaves no scratch files or threads, and the model as it was
+            self._restore_model(home)
+            self._close_partial()
             raise
 
     def _set_up(self, plan: Plan, optimizer: str, names: list[str]) -> None:
@@ -295,6 +303,35 @@ class StreamingExecutor:
             except Exception:
                 if not quiet:
                     raise
+
+    def _restore_model(self, home: dict) -> None:
+        """After a failed constructor: the parameters already moved into the executor's storage
+        (released as each layer was set up, so that the model is never held twice) get their values
+        back, read from it (the master where one was made: the original values; else the stored
+        copy, in the compute dtype), in their own dtype and device. Best effort: a layer whose
+        storage cannot be read stays empty, and a later executor says so (review: 10 of 30
+        parameters were left as 0-element tensors, and the next attempt blamed the architecture)."""
+        states = getattr(self, "states", [])
+        for i, lay in enumerate(getattr(self, "layers", [])):
+            if not lay.params or not all(p.numel() == 0 for p in lay.params):
+                continue
+            try:
+                st = states[i] if i < len(states) else None
+                if st is not None:
+                    flat = st.master()
+                elif lay.resident is not None:
+                    flat = lay.resident
+                elif lay.tier == "host":
+                    flat = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)
+                else:
+                    buf = aligned_empty(lay.layout.padded_nbytes)
+                    self.nvme.read_sync(self.streamer.key(lay), buf)
+                    flat = typed(buf, lay.layout.dtype, lay.layout.numel)
+                for p, v in zip(lay.params, lay.layout.views(flat)):
+                    dtype, device = home[id(p)]
+                    p.data = v.to(device=device, dtype=dtype).clone()
+            except Exception:  # noqa: BLE001 - the constructor's own error is the one to report
+                continue
 
     def _close_partial(self) -> None:
         self._release(quiet=True)   # (the constructor's own error is the one to report)
@@ -1178,6 +1215,9 @@ class StreamingExecutor:
         load_executor_state_dict(self, sd)
 
     def close(self) -> None:
+        """Release threads, buffers and scratch files. The model's parameters were moved into the
+        executor's storage: call sync_model() first to keep the trained weights in the model (a
+        closed executor's model has empty parameters, which a new executor refuses, saying so)."""
         try:
             self.wait()
             for st in getattr(self, "states", []):

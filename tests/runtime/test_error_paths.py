@@ -205,3 +205,36 @@ def test_a_constructor_that_fails_leaves_no_scratch_or_threads(tmp_path):
     assert not (tmp_path / "a").exists() or not list((tmp_path / "a").iterdir())
     assert not list((tmp_path / "b").iterdir())
     assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("tier,dtype", [("nvme", torch.float32), ("host", torch.float32), ("nvme", torch.bfloat16)])
+def test_a_failed_constructor_gives_the_model_back_and_a_closed_ones_model_is_named(tmp_path, monkeypatch,
+                                                                                   tier, dtype):
+    """Review: a full disk while the constructor wrote the initial optimizer state left 10 of 30
+    parameters as 0-element tensors (released as each layer was set up); a second executor on the
+    model blamed the architecture ("'weight' must be 2-D"). The model now gets its values back, and
+    an emptied model (an executor closed without sync_model) is refused saying so."""
+    import errno
+    import os
+
+    from lazytrain.runtime.testing import hand_plan, tiny_model
+
+    model = tiny_model("llama").to(dtype)
+    orig = {n: p.detach().clone() for n, p in model.named_parameters()}
+    real = os.pwritev
+
+    def full_disk(fd, bufs, off, *a):
+        if "block.1.exp_avg" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bufs, off, *a)
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    plan = hand_plan(3, param_tier=tier, grad_tier="nvme", optimizer_tier="nvme")
+    with pytest.raises(OSError, match="No space left"):
+        StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)
+    monkeypatch.setattr(os, "pwritev", real)
+    for n, p in model.named_parameters():
+        assert p.dtype == dtype and torch.equal(p, orig[n]), n
+    ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)   # the retry works
+    ex.close()
+    with pytest.raises(ValueError, match="closed without sync_model"):
+        StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)
