@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import torch
 from torch.optim.adamw import adamw as _adamw
 
-from ..storage.aligned_io import IOPool
+from ..storage.aligned_io import DiskIOError, IOPool
 from ..storage.flat import FlatLayout, typed
 from ..storage.tiers import HostStore, NvmeStore, StagingSets, staging_buffer
 from .trace import Trace
@@ -58,6 +58,9 @@ class LayerTrainState:
         self.state_io = state_io
         self._set: tuple[list[torch.Tensor], dict[str, Future]] | None = None  # read ahead
         self._writes: list[Future] = []   # write-backs of the last update still landing
+        # NVMe-tier tensors whose last write-back failed (their files are part old, part new):
+        # every later read raises until they are stored whole again (store_tensor: a resume)
+        self._incomplete: dict[str, BaseException] = {}
         for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
                           ("exp_avg_sq", optimizer_tier)):
             store = self._store(tier)
@@ -116,15 +119,29 @@ class LayerTrainState:
             f.exception()   # wait: the buffers must be idle before they go back to the pool
         self.staging.release(bufs)
 
-    def _wait_writes(self) -> None:
+    def _wait_writes(self, strict: bool = True) -> None:
+        """Wait for the last write-backs, raising a failed one (DiskIOError names the file and the
+        operation), and, `strict`, raise while a file a failed write left incomplete is not stored
+        whole again (review: the failure was raised once, and the next step trained on from the
+        half-written master)."""
         writes, self._writes = self._writes, []
+        failed: BaseException | None = None
         for f in writes:
-            f.result()   # DiskIOError names the file and the operation
+            try:
+                f.result()
+            except BaseException as e:   # (every write waited for before raising)
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        if strict and self._incomplete:
+            what, e = next(iter(self._incomplete.items()))
+            raise DiskIOError(0, f"{self._key(what)} on NVMe is incomplete since its write-back failed ({e}); "
+                                 f"restore the training state (resume from the last checkpoint)")
 
-    def flush(self) -> None:
+    def flush(self, strict: bool = True) -> None:
         """Wait for this layer's write-backs (raising a failed one) and drop read-ahead state."""
         self.cancel_prefetch()
-        self._wait_writes()
+        self._wait_writes(strict)
 
     def _staged(self, what: str) -> torch.Tensor:
         self.prefetch()   # no-op when already read ahead
@@ -140,7 +157,11 @@ class LayerTrainState:
         left, lock, staging, trace = [len(futs)], threading.Lock(), self.staging, self.trace
         step = trace.current_step()   # it lands later, on an I/O thread
 
-        def landed(_f: Future) -> None:
+        incomplete = self._incomplete
+
+        def landed(f: Future, what: str) -> None:
+            if f.exception() is not None:
+                incomplete[what] = f.exception()
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -152,15 +173,15 @@ class LayerTrainState:
 
         self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them
         self._set = None
-        for f in futs:
-            f.add_done_callback(landed)
+        for f, w in zip(futs, OPT_KEYS):
+            f.add_done_callback(lambda f, w=w: landed(f, w))
 
     # ---- tensors, materialised on host (read from NVMe when that is their tier) ---------
-    def _load(self, what: str, tier: str) -> torch.Tensor:
+    def _load(self, what: str, tier: str, strict: bool = True) -> torch.Tensor:
         if tier == "host":
             return typed(self.host.get(self._key(what)), self.dtype, self.numel)
         if what in OPT_KEYS:
-            self.flush()   # read what the last write-back wrote; read-ahead copies may go stale
+            self.flush(strict)   # read what the last write-back wrote; read-ahead copies may go stale
         buf = staging_buffer(self.layout.nbytes)
         self._staging[what] = buf
         s = self.trace.now()
@@ -211,9 +232,10 @@ class LayerTrainState:
         return self._read(what).clone()
 
     def store_tensor(self, what: str, src: torch.Tensor) -> None:
-        t = self._load(what, self.optimizer_tier)
+        t = self._load(what, self.optimizer_tier, strict=False)   # (stored whole: complete again)
         t.copy_(src.reshape(-1))
         self._save(what, self.optimizer_tier, t)
+        self._incomplete.pop(what, None)
 
     # ---- gradient accumulation ----------------------------------------------------------
     def accumulate(self, grads: list[torch.Tensor | None], first: bool, last: bool,
