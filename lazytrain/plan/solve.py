@@ -224,9 +224,17 @@ def _empty_plan(model, hw, job, options, method, h, r: MilpResult, lines: tuple[
 
 
 def assignment_of(plan: Plan) -> Assignment:
-    """Rebuild the raw decisions from a Plan (to replay it in the simulator)."""
+    """Rebuild the raw decisions from a Plan (to replay it in the simulator). The cost model's
+    recompute segments run over blocks: a (hand-made) plan that recomputes the embedding or the
+    head, which the executor runs, is refused here rather than replayed as another plan (its
+    predicted peak came out 16-21% low; review)."""
     from .assignment import STORE, Segment
     L = len(plan.layers) - 2
+    for d in (plan.layers[0], plan.layers[-1]):
+        if d.recompute:
+            raise ValueError(f"{d.name}: a recompute segment over the {d.kind} has no term in the cost "
+                             f"model (the planner recomputes blocks only); its step time and peaks "
+                             f"cannot be predicted")
     segs: list[Segment] = []
     j = 1
     while j <= L:

@@ -365,3 +365,16 @@ def test_export_deepspeed_refuses_a_damaged_plan_file(tmp_path, capsys):
     assert export_main([str(bad), "--out", str(tmp_path / "ds.json")]) == 2
     assert "not a lazytrain plan" in capsys.readouterr().err and not (tmp_path / "ds.json").exists()
     assert export_main([str(good), "--out", str(tmp_path / "ds.json")]) == 0
+
+
+def test_a_hand_plan_recomputing_the_head_is_not_replayed_as_another_plan():
+    """Review: a (hand-made) plan whose recompute segment spans the embedding or head runs in the
+    executor, but the cost model dropped those layers and predicted another plan's peak (16-21% low);
+    it says it cannot predict them now. The planner never makes such plans."""
+    from lazytrain.plan.solve import assignment_of
+    from lazytrain.runtime.testing import hand_plan
+
+    assignment_of(hand_plan(3, segments=[(1, 3)]))   # blocks only: replayed
+    for segments, layer in (([(0, 4)], "embed"), ([(1, 2), (3, 4)], "head")):
+        with pytest.raises(ValueError, match=f"{layer}: a recompute segment over the"):
+            assignment_of(hand_plan(3, segments=segments))
