@@ -272,7 +272,14 @@ def pinned_swap_buffers(cfg: Mapping[str, Any], plan: Plan) -> list[tuple[str, i
         return []
     out: list[tuple[str, int, str]] = []
     half = any(isinstance(cfg.get(k), Mapping) and cfg[k].get("enabled") for k in ("bf16", "fp16"))
-    count = lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
+    def count(v):   # what DeepSpeed's parser takes as a count: ints, whole floats, digit strings
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        elif isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        return v if isinstance(v, int) and v > 0 else None
     par = zero.get("offload_param")
     if isinstance(par, Mapping) and par.get("device") == "nvme":
         n, size, e = count(par.get("buffer_count", 5)), count(par.get("buffer_size", 100_000_000)), 2 if half else 4

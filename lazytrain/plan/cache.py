@@ -112,7 +112,7 @@ def malformed(plan: Plan) -> str:
             return f"{d.name}: activation tier {d.activation_tier!r}"
     from .solve import assignment_of   # (solve imports this module)
     try:
-        assignment_of(plan).validate(len(plan.layers) - 2)
+        assignment_of(plan, replay=False).validate(len(plan.layers) - 2)
     except (ValueError, AssertionError) as e:
         return str(e)
     return ""

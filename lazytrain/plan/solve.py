@@ -223,14 +223,14 @@ def _empty_plan(model, hw, job, options, method, h, r: MilpResult, lines: tuple[
         options=options, lazytrain_version=__version__, explanation=lines)
 
 
-def assignment_of(plan: Plan) -> Assignment:
+def assignment_of(plan: Plan, replay: bool = True) -> Assignment:
     """Rebuild the raw decisions from a Plan (to replay it in the simulator). The cost model's
     recompute segments run over blocks: a (hand-made) plan that recomputes the embedding or the
-    head, which the executor runs, is refused here rather than replayed as another plan (its
-    predicted peak came out 16-21% low; review)."""
+    head, which the executor runs, is refused for a replay rather than replayed as another plan
+    (its predicted peak came out 16-21% low; review); `replay=False` (a structure check) takes it."""
     from .assignment import STORE, Segment
     L = len(plan.layers) - 2
-    for d in (plan.layers[0], plan.layers[-1]):
+    for d in (plan.layers[0], plan.layers[-1]) if replay else ():
         if d.recompute:
             raise ValueError(f"{d.name}: a recompute segment over the {d.kind} has no term in the cost "
                              f"model (the planner recomputes blocks only); its step time and peaks "

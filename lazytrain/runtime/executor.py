@@ -180,7 +180,7 @@ class StreamingExecutor:
             raise ValueError("optimizer=adamw8bit keeps fp32 master weights; use master_dtype fp32 "
                              "(job.master_dtype=fp32) or optimizer=adamw")
         self.master_dtype = master_dtype
-        emptied = [n for n, p in model.named_parameters() if p.numel() == 0 and p.device.type != "meta"]
+        emptied = [n for n, p in model.named_parameters() if p.numel() == 0 and getattr(p, "_lazytrain_moved", False)]
         if emptied:   # (the structure probe would blame the architecture: "'weight' must be 2-D")
             raise ValueError(f"{len(emptied)} of the model's parameters are empty ({emptied[0]}, ...): its "
                              f"weights were moved into a StreamingExecutor that was closed without "
@@ -305,31 +305,39 @@ class StreamingExecutor:
                     raise
 
     def _restore_model(self, home: dict) -> None:
-        """After a failed constructor: the parameters already moved into the executor's storage
-        (released as each layer was set up, so that the model is never held twice) get their values
-        back, read from it (the master where one was made: the original values; else the stored
-        copy, in the compute dtype), in their own dtype and device. Best effort: a layer whose
-        storage cannot be read stays empty, and a later executor says so (review: 10 of 30
-        parameters were left as 0-element tensors, and the next attempt blamed the architecture)."""
+        """After a failed constructor: every parameter the set-up had moved gets its values back.
+        A layer not yet released gets its original tensors (kept until its optimizer state was
+        made); one already released (its originals freed as each layer was set up, so that the
+        model is never held twice) is read back from the executor: the master where one was made
+        (the original values), else its stored copy in the compute dtype (a frozen layer of an fp32
+        model computed in bf16 comes back rounded), in its own dtype and device. Device-tier layers
+        included: they are bound to the executor's device buffer from the start. Best effort: a
+        layer whose storage cannot be read keeps what it has (review: a full disk left 10 of 30
+        parameters as 0-element tensors, and device-tier ones on an unfilled buffer)."""
         states = getattr(self, "states", [])
         for i, lay in enumerate(getattr(self, "layers", [])):
-            if not lay.params or not all(p.numel() == 0 for p in lay.params):
+            if not lay.params:
                 continue
             try:
-                st = states[i] if i < len(states) else None
-                if st is not None:
-                    flat = st.master()
-                elif lay.resident is not None:
-                    flat = lay.resident
-                elif lay.tier == "host":
-                    flat = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)
+                if "init_values" in lay.extra:
+                    values = list(lay.extra["init_values"])
                 else:
-                    buf = aligned_empty(lay.layout.padded_nbytes)
-                    self.nvme.read_sync(self.streamer.key(lay), buf)
-                    flat = typed(buf, lay.layout.dtype, lay.layout.numel)
-                for p, v in zip(lay.params, lay.layout.views(flat)):
+                    st = states[i] if i < len(states) else None
+                    if st is not None:
+                        flat = st.master()
+                    elif lay.resident is not None:
+                        flat = lay.resident
+                    elif lay.tier == "host":
+                        flat = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)
+                    else:
+                        buf = aligned_empty(lay.layout.padded_nbytes)
+                        self.nvme.read_sync(self.streamer.key(lay), buf)
+                        flat = typed(buf, lay.layout.dtype, lay.layout.numel)
+                    values = [v.clone() for v in lay.layout.views(flat)]
+                for p, v in zip(lay.params, values):
                     dtype, device = home[id(p)]
-                    p.data = v.to(device=device, dtype=dtype).clone()
+                    p.data = v.to(device=device, dtype=dtype)
+                    p.__dict__.pop("_lazytrain_moved", None)
             except Exception:  # noqa: BLE001 - the constructor's own error is the one to report
                 continue
 
@@ -1138,6 +1146,16 @@ class StreamingExecutor:
         if self.adapter_opt is not None:
             for grp in self.adapter_opt.param_groups:
                 grp["lr"] = float(lr)
+
+    def _settle(self) -> None:
+        """Wait for every queued update and weight write to finish, their failures dropped: what
+        they would have written is about to be replaced (load_state_dict; a failed one raised, or
+        would, at the layer's next use, and the state it left is overwritten whole)."""
+        for lay in self.layers:
+            for f in (lay.ready, lay.publish):
+                if f is not None:
+                    f.exception()
+            lay.ready = lay.publish = None
 
     def wait(self) -> None:
         """Block until every queued optimizer update has been applied (and its NVMe-tier weights

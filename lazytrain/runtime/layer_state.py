@@ -126,12 +126,12 @@ class LayerTrainState:
         half-written master)."""
         writes, self._writes = self._writes, []
         failed: BaseException | None = None
-        for f in writes:
-            try:
-                f.result()
-            except BaseException as e:   # (every write waited for before raising)
+        for what, f in zip(OPT_KEYS, writes):
+            e = f.exception()   # (every write waited for before raising)
+            if e is not None:
+                self._incomplete[what] = e   # marked here, before any read: not by a callback
                 failed = failed or e
-        if failed is not None:
+        if failed is not None and strict:   # (not strict: the caller stores the state whole anew)
             raise failed
         if strict and self._incomplete:
             what, e = next(iter(self._incomplete.items()))
@@ -157,11 +157,7 @@ class LayerTrainState:
         left, lock, staging, trace = [len(futs)], threading.Lock(), self.staging, self.trace
         step = trace.current_step()   # it lands later, on an I/O thread
 
-        incomplete = self._incomplete
-
-        def landed(f: Future, what: str) -> None:
-            if f.exception() is not None:
-                incomplete[what] = f.exception()
+        def landed(_f: Future) -> None:
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -173,8 +169,8 @@ class LayerTrainState:
 
         self._writes = futs    # before `_set` is cleared: a read of this layer must wait for them
         self._set = None
-        for f, w in zip(futs, OPT_KEYS):
-            f.add_done_callback(lambda f, w=w: landed(f, w))
+        for f in futs:
+            f.add_done_callback(landed)
 
     # ---- tensors, materialised on host (read from NVMe when that is their tier) ---------
     def _load(self, what: str, tier: str, strict: bool = True) -> torch.Tensor:

@@ -51,7 +51,7 @@ def executor_state_shards(ex: "StreamingExecutor") -> Iterator[dict[str, torch.T
     yield sd
 
 def load_executor_state_dict(ex: "StreamingExecutor", sd: Mapping[str, torch.Tensor]) -> None:
-    ex.wait()
+    ex._settle()   # (a failed update or write before it is replaced here, not raised: review)
     ex.streamer.invalidate()
     ex.step_count = int(sd["meta.step"])
     for i, st in enumerate(ex.states):

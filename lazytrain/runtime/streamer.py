@@ -127,6 +127,7 @@ class ParamStreamer:
         empty = torch.empty(0, dtype=lay.layout.dtype, device=self.device)
         for p in lay.params:
             p.data = empty
+            p._lazytrain_moved = True   # (a new executor refuses it while empty; a real 0-element param is fine)
 
     # ---- schedule ------------------------------------------------------------------------
     def start(self, seq: list[int], wrap: bool) -> None:

@@ -178,6 +178,10 @@ def test_swap_buffer_figures_skip_values_deepspeed_must_refuse_and_a_tied_head()
                 {"offload_optimizer": {"device": "nvme"}, "sub_group_size": "1e9"}):
         cfg, _ = ds_config_from_plan(plan, overrides={"zero_optimization": bad})
         assert all(sec not in bad for sec, _, _ in pinned_swap_buffers(cfg, plan))
+    # what DeepSpeed's parser takes as counts is counted: digit strings, whole floats
+    cfg, _ = ds_config_from_plan(plan, overrides={"zero_optimization": {"offload_param": {
+        "device": "nvme", "buffer_count": "8", "buffer_size": 1e6}}})
+    assert pinned_swap_buffers(cfg, plan)[0][1] == 8 * 1_000_000 * 2
     qwen = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
     spec = ModelSpec.from_hf_config(qwen)

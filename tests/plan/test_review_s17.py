@@ -374,7 +374,12 @@ def test_a_hand_plan_recomputing_the_head_is_not_replayed_as_another_plan():
     from lazytrain.plan.solve import assignment_of
     from lazytrain.runtime.testing import hand_plan
 
+    from lazytrain.plan.cache import malformed
+
     assignment_of(hand_plan(3, segments=[(1, 3)]))   # blocks only: replayed
     for segments, layer in (([(0, 4)], "embed"), ([(1, 2), (3, 4)], "head")):
+        plan = hand_plan(3, segments=segments)
         with pytest.raises(ValueError, match=f"{layer}: a recompute segment over the"):
-            assignment_of(hand_plan(3, segments=segments))
+            assignment_of(plan)
+        timed = replace(plan, predicted=replace(plan.predicted, step_time_s=1.0))   # (as a file has)
+        assert malformed(timed) == ""   # a plan the executor runs: `plan show` still shows it

@@ -207,9 +207,13 @@ def test_a_constructor_that_fails_leaves_no_scratch_or_threads(tmp_path):
     assert threading.active_count() == threads
 
 
-@pytest.mark.parametrize("tier,dtype", [("nvme", torch.float32), ("host", torch.float32), ("nvme", torch.bfloat16)])
+@pytest.mark.parametrize("tier,dtype,fail_at", [("nvme", torch.float32, "block.1.exp_avg"),
+                                                 ("host", torch.float32, "block.1.exp_avg"),
+                                                 ("nvme", torch.bfloat16, "block.1.exp_avg"),
+                                                 ("mixed", torch.float32, "embed.param"),
+                                                 ("mixed", torch.float32, "block.1.exp_avg")])
 def test_a_failed_constructor_gives_the_model_back_and_a_closed_ones_model_is_named(tmp_path, monkeypatch,
-                                                                                   tier, dtype):
+                                                                                   tier, dtype, fail_at):
     """Review: a full disk while the constructor wrote the initial optimizer state left 10 of 30
     parameters as 0-element tensors (released as each layer was set up); a second executor on the
     model blamed the architecture ("'weight' must be 2-D"). The model now gets its values back, and
@@ -224,11 +228,14 @@ def test_a_failed_constructor_gives_the_model_back_and_a_closed_ones_model_is_na
     real = os.pwritev
 
     def full_disk(fd, bufs, off, *a):
-        if "block.1.exp_avg" in os.readlink(f"/proc/self/fd/{fd}"):
+        if fail_at in os.readlink(f"/proc/self/fd/{fd}"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, bufs, off, *a)
     monkeypatch.setattr(os, "pwritev", full_disk)
-    plan = hand_plan(3, param_tier=tier, grad_tier="nvme", optimizer_tier="nvme")
+    # (mixed: block.2 on the device, bound to the executor's device buffer from the start: review
+    # of the fix, which left it on that buffer, unfilled when the failure came before it)
+    plan = hand_plan(3, param_tier="nvme" if tier == "mixed" else tier, grad_tier="nvme", optimizer_tier="nvme",
+                     overrides={"block.2": {"param_tier": "device"}} if tier == "mixed" else None)
     with pytest.raises(OSError, match="No space left"):
         StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)
     monkeypatch.setattr(os, "pwritev", real)
@@ -236,11 +243,25 @@ def test_a_failed_constructor_gives_the_model_back_and_a_closed_ones_model_is_na
         assert p.dtype == dtype and torch.equal(p, orig[n]), n
     ex = StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)   # the retry works
     ex.close()
-    with pytest.raises(ValueError, match="closed without sync_model"):
-        StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)
+    if tier != "mixed":   # (every layer released: the model's parameters are empty now)
+        with pytest.raises(ValueError, match="closed without sync_model"):
+            StreamingExecutor(model, plan, device="cpu", nvme_dir=tmp_path)
 
 
-def test_a_failed_nvme_state_write_back_is_not_read_until_restored(tmp_path, monkeypatch):
+def test_a_real_zero_element_parameter_is_not_taken_for_an_emptied_one():
+    """Review of the above: the emptied-model refusal looked at the element count alone and refused
+    a model with a genuine 0-element parameter, which trained before."""
+    from lazytrain.runtime.testing import hand_plan, tiny_model
+
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.register_parameter("placeholder", torch.nn.Parameter(torch.empty(0)))
+    ex = StreamingExecutor(model, hand_plan(3), device="cpu")
+    ex.train_step(random_batches(1, 0))
+    ex.close()
+
+
+@pytest.mark.parametrize("key,clip", [("embed.master", 1.0), ("head.exp_avg_sq", None), ("block.1.master", 1.0)])
+def test_a_failed_nvme_state_write_back_is_not_read_until_restored(tmp_path, monkeypatch, key, clip):
     """Review: an NVMe-tier optimizer state write-back that hit a full disk (half the file new, half
     old) was raised once, and the next step trained on from the half-written master (rel. error
     0.12 against the same updates without the failure). Every read of it raises now until the state
@@ -253,7 +274,7 @@ def test_a_failed_nvme_state_write_back_is_not_read_until_restored(tmp_path, mon
     real, full = os.pwritev, [False]
 
     def disk(fd, bufs, off, *a):
-        if full[0] and "embed.master" in os.readlink(f"/proc/self/fd/{fd}"):
+        if full[0] and key in os.readlink(f"/proc/self/fd/{fd}"):
             mv = bufs[0]
             if len(mv) > 4096:   # a short write of half, then ENOSPC (what a full disk does)
                 return real(fd, [mv[: len(mv) // 2]], off, *a)
@@ -267,20 +288,25 @@ def test_a_failed_nvme_state_write_back_is_not_read_until_restored(tmp_path, mon
     def make(d):
         (tmp_path / d).mkdir()
         return StreamingExecutor(copy.deepcopy(model), plan, device="cpu", nvme_dir=tmp_path / d, lr=1e-2,
-                                 max_grad_norm=1.0)
+                                 max_grad_norm=clip)
     ref = make("ref")
     ex = make("ex")
     ref.train_step(mbs), ex.train_step(mbs)
     saved = ex.state_dict()
-    full[0] = True
-    ex.train_step(mbs)            # its embed.master write-back fails later (asynchronous)
-    full[0] = False               # space freed: the file is still half written
-    for _ in range(2):
-        with pytest.raises(OSError):
+    full[0] = True                # the write-back fails (asynchronous: reported at a later step)
+    for _ in range(5):
+        try:
             ex.train_step(mbs)
-    with pytest.raises(OSError, match="embed.master on NVMe is incomplete since its write-back failed"):
-        ex.train_step(mbs)
-    ex.load_state_dict(saved)     # a resume from the state after step 1
+        except OSError:
+            break
+    else:
+        pytest.fail("the full disk was never reported")
+    full[0] = False               # space freed: the file is still half written
+    for _ in range(3):            # every step raises, naming the file (the failed update kept by
+        with pytest.raises(OSError, match=key):   # its layer, or the state's incomplete file)
+            ex.train_step(mbs)
+    ex.load_state_dict(saved)     # a resume from the state after step 1 (review: it raised the
+    #                               failed update again, except for embed with clipping)
     for _ in range(2):
         ref.train_step(mbs), ex.train_step(mbs)
     w, r = ex.trainable_state(), ref.trainable_state()
