@@ -1156,6 +1156,8 @@ class StreamingExecutor:
                 if f is not None:
                     f.exception()
             lay.ready = lay.publish = None
+        while self._publishing:   # (the weight writes in flight: a failed one was raised by the next)
+            self._publishing.popleft().exception()
 
     def wait(self) -> None:
         """Block until every queued optimizer update has been applied (and its NVMe-tier weights
@@ -1196,6 +1198,7 @@ class StreamingExecutor:
         for i, lay in enumerate(self.layers):
             for p, v in zip(lay.params, self._layer_values(i, full_precision)):
                 p.data = v
+                p.__dict__.pop("_lazytrain_moved", None)
         self._synced = True
         return self.model
 

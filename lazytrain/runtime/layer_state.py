@@ -230,7 +230,12 @@ class LayerTrainState:
     def store_tensor(self, what: str, src: torch.Tensor) -> None:
         t = self._load(what, self.optimizer_tier, strict=False)   # (stored whole: complete again)
         t.copy_(src.reshape(-1))
-        self._save(what, self.optimizer_tier, t)
+        try:
+            self._save(what, self.optimizer_tier, t)
+        except BaseException as e:   # (a write that failed here leaves the file part old too)
+            if self.optimizer_tier == "nvme" and what in OPT_KEYS:
+                self._incomplete[what] = e
+            raise
         self._incomplete.pop(what, None)
 
     # ---- gradient accumulation ----------------------------------------------------------
