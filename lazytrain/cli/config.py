@@ -4,6 +4,7 @@ takes plain typed arguments (ModelSpec, HardwareSpec, JobSpec, PlannerOptions)."
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,16 @@ def planner_cache_dir(cfg) -> Path:
     return root / d if (root / "pyproject.toml").is_file() else Path.cwd() / d
 
 
+def hydra_quoted(v: str) -> str:
+    """`v` as a single-quoted Hydra value (backslashes escape only before a quote or at the end)."""
+    v = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", v)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v) + "'"
+
+
+MEASURED_MISSING = ("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
+                    "model=...` first (it writes configs/hardware/measured.yaml)")
+
+
 def config_dir() -> Path:
     return Path(os.environ.get("LAZYTRAIN_CONFIG_DIR", repo_root() / "configs")).resolve()
 
@@ -48,8 +59,7 @@ def _check_group_choices(overrides: list[str]) -> None:
         if key in ("model", "hardware", "moe", "data") and value:
             names = available(key)
             if value == "measured" and key == "hardware" and value not in names:
-                raise ConfigError("hardware=measured: no measured profile yet; run `lazytrain profile "
-                                  "hardware=NAME model=...` first (it writes configs/hardware/measured.yaml)")
+                raise ConfigError(MEASURED_MISSING)
             if names and value not in names:
                 raise ConfigError(f"unknown {key} {value!r}; valid: {', '.join(names)}")
 

@@ -67,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     path = Path(args.plan)
     try:
-        plan = Plan.from_json(path.read_text())
-        from ..plan.cache import malformed   # (the structure `plan show` checks: review)
-        if why := malformed(plan):
-            raise ValueError(why)
+        plan = Plan.parse(path.read_text())   # (the structure `plan show` checks too: review)
     except FileNotFoundError:
         print(f"export-deepspeed: plan file {path} not found", file=sys.stderr)
         return 2
@@ -78,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; its plan is {path / 'plan.json'}" if path.is_dir() and (path / "plan.json").is_file() else ""
         print(f"export-deepspeed: cannot read {path} ({e.strerror or e}){hint}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        print(f"export-deepspeed: {path} is not a lazytrain plan ({type(e).__name__}: {e})", file=sys.stderr)
+    except ValueError as e:
+        print(f"export-deepspeed: {path} is {e}", file=sys.stderr)
         return 2
     try:
         cfg, dropped = ds_config_from_plan(plan, overrides=_parse_set(args.sets), nvme_dir=args.nvme_dir)

@@ -11,7 +11,6 @@ without Hydra's run machinery, so bad input prints one line and exits 2 with not
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import sys
@@ -196,10 +195,8 @@ def _rerooted(override: str, cwd: Path) -> str:
     before) and values Hydra cannot parse are left as they are."""
     if _key(override) not in PATH_KEYS:
         return override
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
-        value = OverridesParser.create().parse_overrides([override])[0].value()
+        value = _value(override)
     except Exception:  # noqa: BLE001 (Hydra reports it itself when it parses the command line)
         return override
     items = value if isinstance(value, list) else [value]
@@ -219,18 +216,23 @@ def _rerooted(override: str, cwd: Path) -> str:
 
 
 def _quoted(v: str) -> str:
-    """`v` as a single-quoted Hydra value (backslashes escape only before a quote or at the end)."""
-    v = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", v)
-    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v) + "'"
+    from .config import hydra_quoted
+
+    return hydra_quoted(v)
+
+
+def _value(override: str):
+    """The value of `key=value` as Hydra parses it (quotes removed, lists as lists)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides([override])[0].value()
 
 
 def _unquoted(override: str) -> str:
-    """The value of `key=value` as Hydra reads it (quotes removed); the text after '=' if Hydra
-    cannot parse it (it reports that itself)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
+    """The value of `key=value` as Hydra reads it; the text after '=' if Hydra cannot parse it
+    (it reports that itself)."""
     try:
-        return str(OverridesParser.create().parse_overrides([override])[0].value())
+        return str(_value(override))
     except Exception:  # noqa: BLE001
         return override.split("=", 1)[1]
 
@@ -245,13 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     if taken:
         print(f"lazytrain train: resume=true: the run's settings from its .hydra/overrides.yaml: "
               f"{' '.join(taken)}", file=sys.stderr)
-    from ..cli.config import config_dir, load_config
+    from ..cli.config import MEASURED_MISSING, config_dir, load_config
     from ..recipes.train import USER_ERRORS, check_output_dir, preflight
     from ..storage.aligned_io import DiskIOError
 
     if "hardware=measured" in argv and not (config_dir() / "hardware" / "measured.yaml").is_file():
-        return _error("hardware=measured: no measured profile yet; run `lazytrain profile hardware=NAME "
-                      "model=...` first (it writes configs/hardware/measured.yaml)")
+        return _error(MEASURED_MISSING)
     pre = None
     no_run = any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv)
     if not no_run and _resume_without_output_dir(argv):   # (--cfg/--help print, whatever resume says)

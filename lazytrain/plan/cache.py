@@ -32,8 +32,7 @@ def _checksum(d: dict) -> str:
                                      sort_keys=True).encode()).hexdigest()
 
 
-def _checksum_damage(text: str) -> str:
-    d = json.loads(text)
+def _checksum_damage(d: dict) -> str:
     if CHECKSUM_KEY not in d:
         return "no checksum (written before 2026-12-01, or by hand)"
     if d[CHECKSUM_KEY] != _checksum(d):
@@ -142,8 +141,8 @@ class PlanCache:
         if not p.is_file():
             return None
         try:
-            text = p.read_text()
-            plan = Plan.from_json(text)
+            d = json.loads(p.read_text())
+            plan = Plan.from_dict(d)
         except OSError as e:   # e.g. another user's entry this one may not read: the cache only saves time
             log.warning("ignoring unreadable plan cache entry %s (%s); re-solving", p, e.strerror or e)
             return None
@@ -153,7 +152,7 @@ class PlanCache:
         if plan.input_hash != input_hash:
             log.warning("ignoring plan cache entry %s: hash mismatch; re-solving", p)
             return None
-        why = _damage(plan, input_hash) or _checksum_damage(text)
+        why = _damage(plan, input_hash) or _checksum_damage(d)
         if why:
             log.warning("ignoring damaged plan cache entry %s (%s); re-solving", p, why)
             return None

@@ -197,13 +197,21 @@ class Plan:
         if not p.is_file():
             raise ValueError(f"{p}: no such plan file")
         try:
-            plan = cls.from_json(p.read_text())
+            return cls.parse(p.read_text())
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """A plan file's text; ValueError when it is not a plan, or one whose structure (what
+        `plan show`, `trace` and the executor index) is broken (cache.malformed)."""
+        try:
+            plan = cls.from_json(text)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{p}: not a lazytrain plan ({type(e).__name__}: {e})") from None
+            raise ValueError(f"not a lazytrain plan ({type(e).__name__}: {e})") from None
         from .cache import malformed   # (cache imports this module)
-        why = malformed(plan)
-        if why:   # (parsed, but what `plan show`/`trace` would index or format is broken)
-            raise ValueError(f"{p}: not a usable lazytrain plan ({why})")
+        if why := malformed(plan):
+            raise ValueError(f"not a lazytrain plan ({why})")
         return plan
 
 

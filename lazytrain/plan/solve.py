@@ -73,11 +73,6 @@ def _solve(costs: JobCosts, hw: HardwareSpec, options: PlannerOptions, pins: Pin
     return solve_milp(costs, hw, **{**args, **kw})
 
 
-# answers planner.time_limit_s left unknown that an explanation would state (the device memory a
-# job needs, its largest batch: explain_infeasible counts them), this process; a suggestion a time
-# limit kept from being checked is just not made, and not counted (review)
-TIMEOUTS = [0]
-
 
 def pins_for(method: str, num_blocks: int, job: JobSpec | None = None,
              options: PlannerOptions | None = None) -> Pins | None:
@@ -133,9 +128,8 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     if timed_out:   # no plan found in time is no proof that none fits: say so, not what would fit
         plan = _empty_plan(model, hw, job, options, method, h, r, (_timed_out_line(options),))
     elif r.status == "infeasible":
-        before = TIMEOUTS[0]
-        lines = explain_infeasible(model, hw, job, options, method) if explain else ()
-        if TIMEOUTS[0] > before:   # (a figure in it came from a search the time limit cut short)
+        lines, unknown = _explain_infeasible(model, hw, job, options, method) if explain else ((), False)
+        if unknown:   # (a figure in it came from a search the time limit cut short)
             timed_out = True        # not cached: the next run, or a longer limit, may say more
             if not any("time_limit_s" in line for line in lines):
                 lines = [*lines, f"(some of these figures come from searches that hit planner.time_limit_s="
@@ -629,13 +623,20 @@ def _timed_out_line(options: PlannerOptions) -> str:
 
 def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
                        method: str = "milp") -> list[str]:
+    return _explain_infeasible(model, hw, job, options, method)[0]
+
+
+def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                        method: str) -> tuple[list[str], bool]:
+    """(the explanation, whether planner.time_limit_s left an answer it states unknown: the device
+    memory the job needs, its largest batch; a suggestion a time limit kept from being checked is
+    just not made, and does not count: review)."""
     need = min_device_bytes(model, hw, job, options, method)
     what = "no plan fits" if method == "milp" else f"{method} does not fit"
     if need == TIMED_OUT:   # (plan_job calls this for a proven infeasibility: only the advice is unknown)
-        TIMEOUTS[0] += 1
         return [f"{what} hardware.device_memory_gib={hw.device_memory_gib} (proven); the search for the "
                 f"device memory it needs hit planner.time_limit_s={options.time_limit_s}: raise it for "
-                f"what would fit"]
+                f"what would fit"], True
     if need is None:
         host, nvme = _least_host_and_nvme(model, hw, job, options, method)
         # what the planner gives the host: less the reserve and, for a CPU device, its budget
@@ -652,13 +653,11 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                    f"layout that needs the least host memory: ~{_gib(host)} there and {_gib(nvme)} on NVMe")
         return [f"{what}: the parameters, gradients and optimizer state of {model.name} "
                 f"({model.param_count / 1e9:.2f}B params, mode {job.mode}) do not fit off the device: "
-                f"{why}; {_off_device_advice(model, hw, job, options, method, host, nvme)}"]
+                f"{why}; {_off_device_advice(model, hw, job, options, method, host, nvme)}"], False
     best, cut = 0, {}
     if job.batch_size > 1:
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1,
                          report=cut)
-    if cut:
-        TIMEOUTS[0] += 1
     if best:
         tail = f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} (job.batch_size={best})"
         if cut:
@@ -696,4 +695,4 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                         f"of host RAM, which must grow by the same {grow} GiB")
     return [f"{what} hardware.device_memory_gib={hw.device_memory_gib}: this job "
             f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_txt} GiB "
-            f"of device memory ({setting}); {tail}"]
+            f"of device memory ({setting}); {tail}"], bool(cut)

@@ -11,6 +11,7 @@ typed arguments.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,7 +26,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
-from ..cli.config import ConfigError, check_bool_settings, hardware_spec, model_spec, planner_cache_dir, planner_options
+from ..cli.config import (ConfigError, check_bool_settings, hardware_spec, hydra_quoted, model_spec,
+                          planner_cache_dir, planner_options)
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
@@ -476,14 +478,17 @@ def weights_fingerprint(model_path) -> str | None:
     """A cheap fingerprint of a model dir's safetensors weights (None for a model built from its
     config: the seed and config fix it): per file its name, size, header and the first and last
     MiB of tensor data; another checkpoint of the same architecture differs there. Reads ~2 MiB a
-    file, not the weights."""
-    if not model_path:
-        return None
+    file, not the weights, once per dir and process (job_identity goes into every checkpoint)."""
+    return _weights_fingerprint(str(Path(str(model_path)).expanduser().resolve())) if model_path else None
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_fingerprint(model_dir: str) -> str:
     import hashlib
     import struct
 
     h = hashlib.sha256()
-    for f in sorted(Path(str(model_path)).expanduser().glob("*.safetensors")):
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
         size = f.stat().st_size
         with open(f, "rb") as fh:
             head = fh.read(8)
@@ -761,7 +766,7 @@ def _dir_override(out: Path | str) -> str:
     """`output_dir=DIR` as a command line takes it: quoted where Hydra would misread the path (a
     sweep job's dir, optim.lr=0.003, holds '=')."""
     s = str(out)
-    return f"output_dir='{s}'" if any(c in s for c in "=,[]{}()' ") else f"output_dir={s}"
+    return f"output_dir={hydra_quoted(s)}" if any(c in s for c in "=,[]{}()' ") else f"output_dir={s}"
 
 
 def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:

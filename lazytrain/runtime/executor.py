@@ -314,26 +314,13 @@ class StreamingExecutor:
         included: they are bound to the executor's device buffer from the start. Best effort: a
         layer whose storage cannot be read keeps what it has (review: a full disk left 10 of 30
         parameters as 0-element tensors, and device-tier ones on an unfilled buffer)."""
-        states = getattr(self, "states", [])
         for i, lay in enumerate(getattr(self, "layers", [])):
             if not lay.params:
                 continue
             try:
-                if "init_values" in lay.extra:
-                    values = list(lay.extra["init_values"])
-                else:
-                    st = states[i] if i < len(states) else None
-                    if st is not None:
-                        flat = st.master()
-                    elif lay.resident is not None:
-                        flat = lay.resident
-                    elif lay.tier == "host":
-                        flat = typed(self.host.get(self.streamer.key(lay)), lay.layout.dtype, lay.layout.numel)
-                    else:
-                        buf = aligned_empty(lay.layout.padded_nbytes)
-                        self.nvme.read_sync(self.streamer.key(lay), buf)
-                        flat = typed(buf, lay.layout.dtype, lay.layout.numel)
-                    values = [v.clone() for v in lay.layout.views(flat)]
+                # (released: its state was appended before, so _layer_values finds it)
+                values = list(lay.extra["init_values"]) if "init_values" in lay.extra else \
+                    self._layer_values(i, full_precision=True)
                 for p, v in zip(lay.params, values):
                     dtype, device = home[id(p)]
                     p.data = v.to(device=device, dtype=dtype)
