@@ -47,6 +47,7 @@ from ..storage.tiers import (HostStore, NvmeStore, ScratchDir, StagingSets, chec
 from .accountant import MemoryAccountant
 from .activations import ActivationStore
 from .layer_state import LayerTrainState, clip_scale_for, total_norm
+from .loss_scale import DynamicLossScale
 from .malloc import keep_freed_memory
 from .state import executor_state_dict, executor_state_shards, load_executor_state_dict
 from .streamer import ParamStreamer, StreamedLayer, use_sequence
@@ -60,7 +61,7 @@ class StepResult:
     loss: float                      # mean over micro-batches
     grad_norm: float | None          # global L2 norm of the (unclipped) gradients; None without
                                      # max_grad_norm (not computed: math.inf clips nothing but reports it)
-    skipped: bool                    # non-finite gradients with clipping on: no update
+    skipped: bool                    # non-finite gradients with clipping or loss scaling on: no update
     step_time_s: float
     device_peak_bytes: int           # the accountant's peak (CUDA: max of it and the allocator's,
                                      # less other owners' bytes held when the executor was made)
@@ -70,6 +71,7 @@ class StepResult:
     accounted_peak_bytes: int = 0    # the accountant's figure alone
     aux_loss: float | None = None    # MoE router load-balancing loss (unscaled, mean over micro-batches;
                                      # `loss` includes coef * aux, as HF's does); None when off
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward ran with (None: bf16/fp32)
 
 
 class PlanMismatchError(ValueError):
@@ -161,7 +163,7 @@ class StreamingExecutor:
                  trace_path: str | Path | None = None, fused: bool = True,
                  compute_dtype: torch.dtype | None = None,
                  master_dtype: torch.dtype = torch.float32, overlap_optimizer: bool | None = None,
-                 count_op_temporaries: bool = False) -> None:
+                 count_op_temporaries: bool = False, loss_scale: DynamicLossScale | None = None) -> None:
         """`compute_dtype`: the dtype the streamed weights are stored, moved and computed in (the
         plan's `job.compute_dtype`); None keeps the model's own. Full fine-tuning keeps master
         weights, AdamW moments and the gradient accumulator in `master_dtype` (the plan's
@@ -171,7 +173,12 @@ class StreamingExecutor:
         thread (default: on CUDA; inline on a CPU device). `count_op_temporaries` (CPU device): also
         count what autograd and the ops allocate inside each layer's forward and backward (see
         accountant.OpTemporaries), as a device allocator would, in the budget and the measured peak;
-        ~10% slower steps. On CUDA the allocator's own peak already covers them."""
+        ~10% slower steps. On CUDA the allocator's own peak already covers them.
+
+        fp16 compute (the model's dtype or `compute_dtype`) needs an fp32 master and scales the loss
+        (`loss_scale`, default `DynamicLossScale()`: torch.amp.GradScaler's rule): a step whose
+        gradients overflow is skipped and the scale backs off, and 1/scale is folded into the clip
+        coefficient of the update (reported norms and losses are unscaled)."""
         if optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {optimizer!r}")
         if master_dtype not in (torch.float32, torch.bfloat16):
@@ -220,6 +227,9 @@ class StreamingExecutor:
         self.hp: dict[str, Any] = {"lr": float(lr), "betas": tuple(betas), "eps": float(eps),
                                    "weight_decay": float(weight_decay), "fused": bool(fused)}
         self.max_grad_norm = max_grad_norm
+        self.loss_scale = loss_scale   # (checked, or made for fp16, once the compute dtype is known)
+        self._step_scale: float | None = None   # the running step's loss scale (fp16)
+        self._deferred = max_grad_norm is not None
         self.trace = Trace(trace_path)
         self.acct = MemoryAccountant(plan.hardware.device_memory_bytes, enforce=not self.cuda)
         # The plan keeps hardware.workspace_gib free for kernels' scratch, the CUDA context and
@@ -272,6 +282,7 @@ class StreamingExecutor:
 
     def _set_up(self, plan: Plan, optimizer: str, names: list[str]) -> None:
         self._build_layers()
+        self._set_loss_scale()
         # (probed before _init_storage moves the weights into the streamer's buffers)
         self.embed_bwd_weights = embedding_backward_reads_weights(self.parts, self.layers[0].params)
         if self.embed_bwd_weights and self.layers[0].tier != "device":
@@ -332,6 +343,20 @@ class StreamingExecutor:
         self._release(quiet=True)   # (the constructor's own error is the one to report)
 
     # ---- setup ---------------------------------------------------------------------------
+    def _set_loss_scale(self) -> None:
+        """fp16 compute: an fp32 master and a loss scale (the default one unless given)."""
+        if self.compute_dtype == torch.float16:
+            if self.master_dtype != torch.float32:
+                raise ValueError("fp16 compute needs fp32 master weights (master_dtype=torch.float32): "
+                                 "in fp16 AdamW's moments and small updates underflow")
+            if self.loss_scale is None:
+                self.loss_scale = DynamicLossScale()
+        elif self.loss_scale is not None:
+            raise ValueError(f"loss_scale is for fp16 compute; this model computes in {self.compute_dtype} "
+                             f"(bf16 and fp32 need none)")
+        # Updates wait for the global norm: clipping needs it, loss scaling checks it for overflow
+        self._deferred = self.max_grad_norm is not None or self.loss_scale is not None
+
     def _build_layers(self) -> None:
         # A parameter belongs to the first layer that uses it; a later layer using it too (the tied
         # head: lm_head.weight *is* embed.weight) borrows it: one buffer, one fp32 state, one update.
@@ -462,7 +487,7 @@ class StreamingExecutor:
                                          and d.optimizer_tier == "host") else None,
                                      staging=staging, state_io=self.state_io)
                 st.init_master(lay.extra["init_values"])
-                st.track_norms = self.max_grad_norm is not None
+                st.track_norms = self._deferred
             self.states.append(st)
             lay.extra.pop("init_values", None)
             if lay.resident is None:
@@ -470,7 +495,7 @@ class StreamingExecutor:
         # The order updates run in (clipping: after the norm, first layers first; otherwise as
         # backward lands them, last first) and the NVMe-tier states among them, read ahead in it.
         upd = [i for i, st in enumerate(self.states) if st is not None]
-        self._update_order = upd if self.max_grad_norm is not None else upd[::-1]
+        self._update_order = upd if self._deferred else upd[::-1]
         self._staged_order = [i for i in self._update_order if self.states[i].staging is not None]
         self._staged_pos = {i: k for k, i in enumerate(self._staged_order)}
         if optimizer == "adamw8bit" and not self.lora:
@@ -567,7 +592,8 @@ class StreamingExecutor:
             if not mb["recomputing"]:
                 mb["loss"] = loss.detach()
             # (a weight of 1, every micro-batch learning as many tokens: x * 1.0 is x, the plain mean bit for bit)
-            return loss * mb["weight"] / mb["n"]
+            out = loss * mb["weight"] / mb["n"]
+            return out if self._step_scale is None else out * self._step_scale
         block = self.parts.blocks[i - 1]
         if ra is None or not ra.routers[i - 1]:
             return run_block(block, x, mb["kw"][i - 1])
@@ -700,7 +726,7 @@ class StreamingExecutor:
             fut = self.opt_pool.submit(accumulate)
             self._pending.append(fut)
             self._grads_inflight.append(fut)
-            if last and self.max_grad_norm is None:
+            if last and not self._deferred:
                 lay.ready = self.opt_pool.submit(self._update, i, None, dict(self.hp), self.trace.step)
         if shared:
             self._hand_over_borrowed(shared, sg)
@@ -962,6 +988,8 @@ class StreamingExecutor:
             torch.cuda.reset_peak_memory_stats(self.device)
         n = len(micro_batches)
         losses, auxes, tokens = [], [], 0
+        # fp16: this step's loss scale (the head multiplies the loss by it; a power of two)
+        self._step_scale = loss_scale = self.loss_scale.scale if self.loss_scale is not None else None
         try:
             if self._staged_order:
                 # read while this step computes; queued behind the last step's updates (the staging
@@ -979,16 +1007,22 @@ class StreamingExecutor:
             self._abort_step()
             raise
         norm_t = grad_norm = None
-        if self.max_grad_norm is not None:   # norms are needed (and computed) only for clipping
+        if self._deferred:   # norms are needed (and computed) only for clipping and loss scaling
             norms = [n for st in self.states if st is not None for n in st.norms]
             norms += [torch.linalg.vector_norm(self.adapter_grads[id(p)]) for p in self.adapter_params
                       if id(p) in self.adapter_grads]
             norm_t = total_norm(norms)
+            if loss_scale is not None:   # the unscaled gradients' norm (a power of two: exactly)
+                norm_t = norm_t / loss_scale
             grad_norm = float(norm_t)
         skipped = False
-        if self.max_grad_norm is not None:
-            scale = clip_scale_for(norm_t, self.max_grad_norm)
+        if self._deferred:
+            scale = clip_scale_for(norm_t, self.max_grad_norm if self.max_grad_norm is not None else math.inf)
             skipped = scale is None
+            if loss_scale is not None:
+                self.loss_scale.update(found_inf=skipped)
+                if scale is not None:   # unscaling folded into the update's one multiply
+                    scale = scale / loss_scale
             if not skipped:
                 for i, st in enumerate(self.states):   # first layers first: the next forward needs them
                     if st is not None:
@@ -1022,7 +1056,7 @@ class StreamingExecutor:
                           predicted_step_time_s=float(pred.step_time_s),
                           predicted_device_peak_bytes=self.predicted_device_peak_bytes,
                           accounted_peak_bytes=int(peak),
-                          aux_loss=sum(auxes) / len(auxes) if auxes else None)
+                          aux_loss=sum(auxes) / len(auxes) if auxes else None, loss_scale=loss_scale)
 
     def eval_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         """The model's mean loss on one batch with the current weights (those of every queued update),

@@ -1,5 +1,6 @@
 """The executor's resumable state as a flat dict of tensors (safetensors-able): per layer the fp32
-master weights, AdamW moments and step; LoRA adapters and their optimizer state; the step count."""
+master weights, AdamW moments and step; LoRA adapters and their optimizer state; the step count
+and, for fp16, the loss scale."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def executor_state_shards(ex: "StreamingExecutor") -> Iterator[dict[str, torch.T
         sd[f"layer.{st.name}.step"] = st.step.clone()
         yield sd
     sd = {"meta.step": torch.tensor(ex.step_count, dtype=torch.int64)}
+    if ex.loss_scale is not None:   # fp16: resumed steps scale (and skip) as uninterrupted ones
+        sd["meta.loss_scale"] = torch.tensor(ex.loss_scale.scale, dtype=torch.float64)
+        sd["meta.loss_scale_growth_tracker"] = torch.tensor(ex.loss_scale.growth_tracker, dtype=torch.int64)
     if ex.adapter_opt is not None:
         for p in ex.adapter_params:
             name = ex.param_names[id(p)]
@@ -54,6 +58,9 @@ def load_executor_state_dict(ex: "StreamingExecutor", sd: Mapping[str, torch.Ten
     ex._settle()   # (a failed update or write before it is replaced here, not raised: review)
     ex.streamer.invalidate()
     ex.step_count = int(sd["meta.step"])
+    if ex.loss_scale is not None and "meta.loss_scale" in sd:   # (a bf16 run's state has none: the default)
+        ex.loss_scale.load_state_dict({"scale": float(sd["meta.loss_scale"]),
+                                       "growth_tracker": int(sd["meta.loss_scale_growth_tracker"])})
     for i, st in enumerate(ex.states):
         if st is None:
             continue
