@@ -39,6 +39,7 @@ class StepStats:
     tokens: int
     predicted_step_time_s: float | None = None
     predicted_device_peak_bytes: int | None = None
+    loss_scale: float | None = None   # fp16: the loss scale the step's backward ran with
 
 
 class Engine(Protocol):
@@ -64,6 +65,7 @@ def _stats(res: Any) -> StepStats:
         tokens=int(res.tokens),
         predicted_step_time_s=getattr(res, "predicted_step_time_s", None),
         predicted_device_peak_bytes=getattr(res, "predicted_device_peak_bytes", None),
+        loss_scale=getattr(res, "loss_scale", None),
     )
 
 
@@ -85,7 +87,9 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  max_grad_norm: float | None, optimizer: str = "adamw",
-                 master_dtype: torch.dtype = torch.float32) -> None:
+                 master_dtype: torch.dtype = torch.float32,
+                 loss_scale: tuple[float, int] = (2.0 ** 16, 2000)) -> None:
+        """`loss_scale`: fp16's (initial scale, growth interval) for torch.amp.GradScaler."""
         if optimizer != "adamw":
             raise EngineUnavailable("engine=torch runs 32-bit AdamW only (job.optimizer_state_bits=32); "
                                     "use engine=lazytrain for 8-bit states")
@@ -110,6 +114,9 @@ class TorchEngine:
         pure = master_dtype != torch.float32
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                      foreach=False if not pure else None, fused=True if pure else None)
+        # fp16 (fp32 weights under fp16 autocast): PyTorch's own recipe, torch.amp.GradScaler
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=loss_scale[0], growth_interval=loss_scale[1]) \
+            if self.autocast and self.compute_dtype == torch.float16 else None
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
@@ -124,23 +131,32 @@ class TorchEngine:
         self.opt.zero_grad(set_to_none=True)
         total, tokens = 0.0, 0
         autocast = self.autocast
+        scaler = self.scaler
+        scale_used = float(scaler.get_scale()) if scaler is not None else None
         n = len(micro_batches)
         for k, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device), y.to(self.device)
             with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
                 loss = self.model(input_ids=x, labels=y).loss
             w = 1.0 if weights is None else float(weights[k])   # (see StreamingExecutor.train_step)
-            (loss * w / n).backward()   # (w = 1: x * 1.0 is x, the plain mean bit for bit)
+            out = loss * w / n   # (w = 1: x * 1.0 is x, the plain mean bit for bit)
+            (out if scaler is None else scaler.scale(out)).backward()
             total += float(loss.detach()) * w
             tokens += x.numel()
         # optim.max_grad_norm=null: no clipping and no norm, so a non-finite gradient is applied,
         # as by torch's AdamW and the streaming executor (configs/train.yaml); inf: no clipping,
         # but a non-finite norm skips the step
         gn, skipped = None, False
+        if scaler is not None:
+            scaler.unscale_(self.opt)   # (the clip below sees the true gradients)
         if self.max_grad_norm is not None:
             gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf")))
             skipped = not math.isfinite(gn)
-        if not skipped:
+        if scaler is not None:
+            scaler.step(self.opt)   # skips an overflowed step itself
+            scaler.update()
+            skipped = float(scaler.get_scale()) < scale_used   # backed off: it overflowed
+        elif not skipped:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -149,7 +165,7 @@ class TorchEngine:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         return StepStats(loss=total / len(micro_batches), grad_norm=gn, skipped=skipped,
                          step_time_s=time.perf_counter() - t0, device_peak_bytes=peak,
-                         tokens=tokens)
+                         tokens=tokens, loss_scale=scale_used)
 
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """The model's mean language-model loss on one batch, no gradients, eval mode (dropout off)."""
@@ -167,6 +183,10 @@ class TorchEngine:
             out[f"param.{n}"] = p.detach()
             for k, v in self.opt.state.get(p, {}).items():
                 out[f"optim.{n}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        if self.scaler is not None:   # (the streaming executor's names for the same two numbers)
+            sc = self.scaler.state_dict()
+            out["meta.loss_scale"] = torch.tensor(float(sc["scale"]), dtype=torch.float64)
+            out["meta.loss_scale_growth_tracker"] = torch.tensor(int(sc["_growth_tracker"]), dtype=torch.int64)
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -177,6 +197,10 @@ class TorchEngine:
                       if k.startswith(f"optim.{n}.") and k.count(".") == n.count(".") + 2}
                 if st:
                     self.opt.state[p] = st
+        if self.scaler is not None and "meta.loss_scale" in sd:
+            sc = self.scaler.state_dict()
+            sc.update(scale=float(sd["meta.loss_scale"]), _growth_tracker=int(sd["meta.loss_scale_growth_tracker"]))
+            self.scaler.load_state_dict(sc)
 
     def sync_model(self) -> None:
         pass
@@ -194,9 +218,12 @@ class StreamingEngine:
                  nvme_dir: Path | None, optimizer: str, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, max_grad_norm: float | None,
                  trace_path: Path | None, compute_dtype: torch.dtype | None = None,
-                 master_dtype: torch.dtype = torch.float32, count_op_temporaries: bool = False) -> None:
+                 master_dtype: torch.dtype = torch.float32, count_op_temporaries: bool = False,
+                 loss_scale: tuple[float, int] = (2.0 ** 16, 2000)) -> None:
+        """`loss_scale`: fp16's (initial scale, growth interval) (runtime.loss_scale)."""
         try:
             from ..runtime import StreamingExecutor
+            from ..runtime.loss_scale import DynamicLossScale
         except ImportError as e:
             raise EngineUnavailable(f"the streaming executor is not available ({e}); "
                                     f"use engine=torch or engine=deepspeed") from None
@@ -205,7 +232,9 @@ class StreamingEngine:
             optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, trace_path=None if trace_path is None else str(trace_path),
             compute_dtype=compute_dtype, master_dtype=master_dtype,
-            count_op_temporaries=count_op_temporaries)
+            count_op_temporaries=count_op_temporaries,
+            loss_scale=DynamicLossScale(scale=loss_scale[0], growth_interval=loss_scale[1])
+            if compute_dtype == torch.float16 else None)
 
     @property
     def model(self) -> torch.nn.Module:

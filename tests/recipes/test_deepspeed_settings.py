@@ -168,3 +168,24 @@ def test_swap_buffers_beyond_the_hosts_memory_are_refused_in_preflight(base_over
         assert "async_io" in str(e) or "libaio" in str(e), e
         return
     assert any("swap buffers pin" in n for n in pre.notes)
+
+
+def test_fp16_loss_scale_reaches_deepspeed_under_the_users_keys():
+    """engine=deepspeed with fp16: optim.loss_scale / loss_scale_growth_interval become DeepSpeed's
+    initial_scale_power / loss_scale_window (hysteresis 1, as GradScaler), in a config DeepSpeed's
+    own parser reads as such; a user's fp16.* key wins over them."""
+    from lazytrain.integrations.ds_config import ds_config_from_plan
+    from lazytrain.recipes.train import with_ds_loss_scale
+    from lazytrain.runtime.testing import hand_plan
+    from lazytrain.spec import JobSpec
+
+    over = with_ds_loss_scale({"fp16": {"initial_scale_power": 12}, "aio": {"block_size": 1}}, (2.0 ** 20, 500))
+    assert over == {"fp16": {"initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1},
+                    "aio": {"block_size": 1}}
+    cfg, _ = ds_config_from_plan(hand_plan(2, job=JobSpec(compute_dtype="fp16")),
+                                 overrides=with_ds_loss_scale(None, (2.0 ** 20, 500)))
+    assert cfg["fp16"]["enabled"] is True and cfg["fp16"]["initial_scale_power"] == 20
+    pc = pytest.importorskip("deepspeed.runtime.precision_config")
+    f16 = pc.get_float16_config(cfg)   # DeepSpeed's own reading of it
+    assert f16.enabled and f16.loss_scale == 0   # (0: dynamic)
+    assert (f16.initial_dynamic_scale(), f16.loss_scale_window, f16.hysteresis) == (2 ** 20, 500, 1)

@@ -2,6 +2,7 @@
 nothing written)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -632,10 +633,16 @@ def test_unusable_dtypes_optim_values_and_damaged_weights(base_overrides, tmp_pa
     """Caught in preflight, before anything is written: a precision the planner knows but training
     cannot use, an optimizer setting that is not a number, a weights file that is not safetensors."""
     _bad(capsys, [*base_overrides, "job.compute_dtype=fp8"], tmp_path, "job.compute_dtype must be one of bf16")
-    # fp16 without a loss scale flushes small gradients to 0 (review): only DeepSpeed's fp16 has one
+    # fp16 trains with a loss scale and fp32 masters: a bf16 master or a scale that is no power of
+    # two is refused
     for engine in ("lazytrain", "torch"):
-        _bad(capsys, [*base_overrides, "job.compute_dtype=fp16", f"engine={engine}"], tmp_path,
-             f"job.compute_dtype=fp16 needs loss scaling, which engine={engine} does not do")
+        _bad(capsys, [*base_overrides, "job.compute_dtype=fp16", "job.master_dtype=bf16", f"engine={engine}"],
+             tmp_path, "job.compute_dtype=fp16 needs job.master_dtype=fp32")
+    for bad in ("1000", "0", "-65536", "inf", "abc", "true"):
+        _bad(capsys, [*base_overrides, "job.compute_dtype=fp16", f"optim.loss_scale={bad}"], tmp_path,
+             "optim.loss_scale must be a power of two")
+    _bad(capsys, [*base_overrides, "optim.loss_scale_growth_interval=0.5"], tmp_path,
+         "optim.loss_scale_growth_interval must be a whole number >= 1")
     _bad(capsys, [*base_overrides, "optim.lr=abc"], tmp_path, "optim.lr must be a number, got 'abc'")
     _bad(capsys, [*base_overrides, "optim.betas=[0.9]"], tmp_path, "optim.betas must be two numbers")
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -724,3 +731,34 @@ def test_lora_targets_the_model_lacks_are_caught_before_anything_is_written(base
     err = _bad(capsys, [*base_overrides, "job.mode=lora", "job.lora_targets=[q_proj,wq]"], tmp_path,
                "job.lora_targets ['wq'] match no linear layer of tiny-llama")
     assert "q_proj" in err and "down_proj" in err   # the names it has
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_fp16_job_scales_its_loss_and_resumes(base_overrides, tmp_path, capsys, mode):
+    """job.compute_dtype=fp16 trains on engine=lazytrain and engine=torch (torch.amp.GradScaler):
+    a too large first scale overflows, the step is skipped and the scale halves, training goes on;
+    metrics.jsonl logs the scale; a stopped run resumes with its scale (the same losses and scales
+    as the uninterrupted run); the first losses agree across engines (fp16 vs fp16 autocast)."""
+    fp16 = [*base_overrides, "job.compute_dtype=fp16", f"job.mode={mode}", "optim.loss_scale=8388608",
+            "optim.loss_scale_growth_interval=2", "job.max_steps=8"]
+    recs = {}
+    for engine in ("lazytrain", "torch"):
+        out = tmp_path / engine
+        rc, io = _main([*fp16, f"engine={engine}", f"output_dir={out}"], capsys)
+        assert rc == 0, io.err
+        recs[engine] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        r = recs[engine]
+        assert r[0]["loss_scale"] == 2.0 ** 23 and r[0]["skipped"]   # overflows at 2**23 (~2**18 here)
+        assert sum(not x["skipped"] for x in r) >= 2 and all(math.isfinite(x["loss"]) for x in r)
+        for a, b in zip(r, r[1:]):   # halves after a skipped step, doubles after 2 good ones
+            assert b["loss_scale"] in (a["loss_scale"] / 2, a["loss_scale"], a["loss_scale"] * 2)
+            assert (b["loss_scale"] < a["loss_scale"]) == a["skipped"]
+    assert recs["lazytrain"][0]["loss"] == pytest.approx(recs["torch"][0]["loss"], rel=1e-2)
+    part = tmp_path / "part"
+    rc, io = _main([*fp16, "engine=lazytrain", "stop_at_step=3", f"output_dir={part}"], capsys)
+    assert rc == 0, io.err
+    rc, io = _main([*fp16, "engine=lazytrain", "resume=true", f"output_dir={part}"], capsys)
+    assert rc == 0, io.err
+    resumed = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["loss_scale"], r["skipped"]) for r in resumed] == \
+        [(r["step"], r["loss"], r["loss_scale"], r["skipped"]) for r in recs["lazytrain"]]
