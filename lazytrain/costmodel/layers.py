@@ -121,11 +121,12 @@ def optimizer_traffic_per_param(job: JobSpec) -> float:
 def check_lora_targets(model: ModelSpec, targets: tuple[str, ...]) -> None:
     """ValueError when none of the LoRA targets matches a linear layer the cost model counts (the
     last part of a linear's name, as PEFT matches them), naming the ones it has: `[qproj, vproj]`
-    would otherwise plan a job that trains 0 adapter parameters. A target the cost model does not
-    count while others match (a typo next to a real name, or a small linear it leaves out, such as
-    Qwen2-MoE's shared_expert_gate, which PEFT adapts) is only logged: the train recipe checks every
-    target against the model's own modules before anything runs."""
-    names = sorted({lin.name.split(".")[-1] for layer in model.layers for lin in layer.linears})
+    would otherwise plan a job that trains 0 adapter parameters. Only linears PEFT can wrap count
+    (ModelSpec.lora_linears: not routed experts' 3-D weights, not a router module): MLP names on
+    Mixtral or OLMoE match nothing. A target the cost model does not count while others match (a
+    typo next to a real name) is only logged: the train recipe checks every target against the
+    model's own modules before anything runs."""
+    names = model.lora_target_names()   # (not routed experts or a router: PEFT wraps nn.Linear only)
     missing = [t for t in targets if t not in names]
     if not targets or len(missing) == len(targets):
         raise ValueError(f"job.lora_targets {missing or list(targets)} match no linear layer of {model.name}; "

@@ -231,7 +231,7 @@ def _trainable_sizes(plan: Plan, spec) -> list[int]:
     job = plan.job
     if job.mode == "lora":
         targets, r = tuple(job.lora_targets), job.lora_rank
-        return [n for layer in spec.layers for lin in layer.linears if lin.name.split(".")[-1] in targets
+        return [n for layer in spec.layers for lin in spec.lora_linears(layer) if lin.name.split(".")[-1] in targets
                 for n in (lin.count * r * lin.in_features, lin.count * r * lin.out_features)]
     sizes: list[int] = []
     for layer in spec.layers:

@@ -30,7 +30,7 @@ import copy
 import functools
 import json
 
-from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count, _sliding_window
+from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count
 
 # transformers' `layer_types` of blocks without softmax attention (no seq x seq term)
 NO_SOFTMAX_ATTENTION = ("linear_attention", "mamba", "conv", "mlp", "moe")
@@ -158,9 +158,14 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     qk = getattr(config, "qk_head_dim", None) or (getattr(config, "qk_rope_head_dim", 0) or 0) + \
         (getattr(config, "qk_nope_head_dim", 0) or 0)
     hd = int(qk) if qk else _count(std, "head_dim", H // nh)
-    window, sliding = _sliding_window(cfg, family, L)
     types = getattr(config, "layer_types", None)
     types = list(types) if isinstance(types, (list, tuple)) and len(types) == L else [None] * L
+    # the window as the built config holds it (after the family's own rules: a key the family
+    # ignores, e.g. SmolLM3's sliding_window under all-full layer_types, slides nothing)
+    window = getattr(config, "sliding_window", None) or None
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if any(types) else \
+        tuple(range(L)) if window else ()
+    window = int(window) if window and sliding else None
     # two lengths below any attention window (past it the cost model adds the explicit mask itself)
     s2 = 64 if not window or window > 64 else max(2, window - 1)
     s1 = max(1, s2 // 2)

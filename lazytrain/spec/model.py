@@ -19,6 +19,32 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "vocab_size", "intermediate_size")
+# transformers' defaults for the keys a family's config.json may leave out (its config class's
+# field defaults), so the plan is for the model transformers builds from the same file (a review
+# found a Qwen3 without head_dim planned at 64 where transformers uses 128: a device peak 17% above
+# the plan; Qwen3-30B-A3B without num_experts planned dense). None: derived in the class's
+# __post_init__ (kv heads = heads, head_dim = hidden // heads), as the readers below do.
+# tests/spec/test_family_defaults.py checks the table against transformers' classes.
+# Families whose routed experts PEFT's LoRA wraps (3-D weights, by MLP target names; peft 0.21)
+PEFT_WRAPS_EXPERTS = ("qwen3_moe", "olmoe")
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")   # transformers maps one onto the other
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
+    "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=4096),
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
+                    num_experts_per_tok=2, num_local_experts=8),
+    "qwen2_moe": dict(num_key_value_heads=16, max_position_embeddings=32768, use_sliding_window=False,
+                      sliding_window=4096, max_window_layers=28, decoder_sparse_step=1, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60),
+    "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, use_sliding_window=False,
+                      sliding_window=4096, decoder_sparse_step=1, moe_intermediate_size=768,
+                      num_experts_per_tok=8, num_experts=128),
+    "olmoe": dict(num_key_value_heads=None, max_position_embeddings=4096, num_experts_per_tok=8, num_experts=64),
+}
 
 
 class ModelConfigError(ValueError):
@@ -103,12 +129,32 @@ class ModelSpec:
         """The residual stream between blocks: what a checkpoint keeps per token."""
         return self.hidden_size * dtype_bytes
 
+    def lora_linears(self, layer: "LayerSpec") -> tuple[Linear, ...]:
+        """The linears of `layer` PEFT's LoRA wraps when a target names them: `nn.Linear` modules,
+        not (in the families' specs, transformers 5) the router `gate`, a module of its own; routed
+        experts' 3-D weights only in the families whose experts PEFT wraps by MLP name (Qwen3-MoE,
+        OLMoE: counted as r x experts x (in + out) per projection, where PEFT's fused gate/up
+        adapter holds more; their activations are not modelled either, the executor warns). A
+        review found Qwen1.5-MoE's planned adapters 16.8x PEFT's: its experts are not wrapped."""
+        experts_wrapped = self.family in PEFT_WRAPS_EXPERTS or self.family not in FAMILIES
+        return tuple(lin for lin in layer.linears
+                     if (lin.count == 1 or experts_wrapped) and not (self.family in FAMILIES and lin.name == "gate"))
+
+    def lora_target_names(self) -> list[str]:
+        """Names (last part, as PEFT matches them) a LoRA target may take: those of `nn.Linear`
+        modules (the train recipe refuses any other before PEFT sees it), so routed experts' names
+        only where a dense block has such a linear too."""
+        return sorted({lin.name.split(".")[-1] for layer in self.layers for lin in self.lora_linears(layer)
+                       if lin.count == 1})
+
     def lora_param_count(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Adapter parameters for LoRA of `rank` on linears whose name ends with a target."""
+        """Adapter parameters for LoRA of `rank` on the wrappable linears whose name ends with a
+        target the train recipe accepts (`lora_target_names`)."""
+        ok = set(targets) & set(self.lora_target_names())
         total = 0
         for layer in self.layers:
-            for lin in layer.linears:
-                if lin.name.split(".")[-1] in targets:
+            for lin in self.lora_linears(layer):
+                if lin.name.split(".")[-1] in ok:
                     total += lin.count * rank * (lin.in_features + lin.out_features)
         return total
 
@@ -234,6 +280,13 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
+    # (keys the file names, None included, are its own; an expert count under either name is one)
+    raw, cfg = cfg, {**{k: v for k, v in FAMILY_DEFAULTS[family].items()
+                        if not (k in _EXPERT_COUNT_KEYS and any(a in cfg for a in _EXPERT_COUNT_KEYS))}, **cfg}
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        # a JSON string "false" would read as True; transformers refuses such a config
+        if key in cfg and not isinstance(cfg[key], bool) and cfg[key] is not None:
+            raise ModelConfigError(f"config: {key} must be true or false, got {cfg[key]!r}")
 
     H = _count(cfg, "hidden_size")
     L = _count(cfg, "num_hidden_layers")
@@ -273,28 +326,35 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
         name=name or cfg.get("_name_or_path") or family, family=family, hidden_size=H,
         num_layers=L, vocab_size=V, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
         intermediate_size=inter,
-        max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
-        tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
+        max_position_embeddings=_count(cfg, "max_position_embeddings"),
+        tie_word_embeddings=tied, layers=tuple(layers), hf_config=raw,
         sliding_window=(sw := _sliding_window(cfg, family, L))[0], sliding_blocks=sw[1],
     )
 
 
 def _sliding_window(cfg: dict, family: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """(the attention window, the blocks that use it) when at least one layer uses sliding-window
-    attention, as transformers reads the config (its defaults: Mistral's window is 4096 when
-    config.json names none; Qwen's layers slide only with use_sliding_window, from
-    max_window_layers on), else (None, ())."""
-    w = cfg.get("sliding_window", 4096 if family == "mistral" else None)
-    if not w:
+    attention, as each family's transformers code reads the config (defaults filled in from
+    FAMILY_DEFAULTS), else (None, ()). Mistral and Mixtral: every layer, when sliding_window is set
+    (layer_types ignored). Qwen: only with use_sliding_window; Qwen2/Qwen3 the layers from
+    max_window_layers on (or layer_types'), Qwen2-MoE the even ones below max_window_layers (or
+    layer_types'), Qwen3-MoE every layer. Llama and OLMoE have none (a sliding_window key is unused)."""
+    w = cfg.get("sliding_window")
+    if not w or family in ("llama", "olmoe"):
         return None, ()
-    types = cfg.get("layer_types")
-    if types is None and family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        if not cfg.get("use_sliding_window", False):
-            return None, ()
-        types = ["sliding_attention" if i >= int(cfg.get("max_window_layers", num_layers)) else "full_attention"
-                 for i in range(num_layers)]
-    if types is None:
+    if family in ("mistral", "mixtral"):
         return int(w), tuple(range(num_layers))
+    if not cfg.get("use_sliding_window", False):
+        return None, ()
+    types = cfg.get("layer_types") if family != "qwen3_moe" else None
+    if types is None:
+        mwl = int(cfg.get("max_window_layers", num_layers))
+        if family == "qwen3_moe":
+            types = ["sliding_attention"] * num_layers
+        elif family == "qwen2_moe":
+            types = ["sliding_attention" if (i + 1) % 2 and i < mwl else "full_attention" for i in range(num_layers)]
+        else:
+            types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(num_layers)]
     blocks = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     return (int(w), blocks) if blocks else (None, ())
 
@@ -369,7 +429,8 @@ def _block(cfg: dict, family: str, i: int, H: int, nh: int, nkv: int, hd: int, i
             active_mlp += shared
             linears += [Linear("shared_expert.gate_proj", H, shared_inter),
                         Linear("shared_expert.up_proj", H, shared_inter),
-                        Linear("shared_expert.down_proj", shared_inter, H)]
+                        Linear("shared_expert.down_proj", shared_inter, H),
+                        Linear("shared_expert_gate", H, 1)]
         # Per routed (token, expert) pair with HF's default experts implementation (grouped_mm;
         # measured with saved-tensor hooks): the gathered input, gate/up output,
         # silu output, their product (down_proj's input) and the expert's output (kept by the

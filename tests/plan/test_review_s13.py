@@ -52,7 +52,7 @@ def _tiny_qwen3_on_a_tight_budget():
     exclude the fastest plan."""
     model = ModelSpec.from_hf_config(dict(
         model_type="qwen3", hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096))
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096, head_dim=32))   # (Qwen3's default: 128)
     h = HardwareSpec(name="t", device_type="cuda", device_memory_gib=0.0036430144606381656, host_memory_gib=12,
                      nvme_capacity_gib=10, h2d_gbps=10, d2h_gbps=10, nvme_read_gbps=0.5, nvme_write_gbps=1.5,
                      device_tflops=10, workspace_gib=0.001, host_reserve_gib=0)
@@ -239,9 +239,9 @@ def test_lora_targets_naming_no_linear_are_refused(small, capsys):
 
 
 def test_a_lora_target_the_cost_model_does_not_count_is_only_logged(caplog):
-    """Qwen2-MoE's shared_expert_gate is a linear PEFT adapts but the cost model leaves out: with
-    q_proj next to it the job planned before the no-linear check and must still plan (the train
-    recipe checks targets against the model's own modules)."""
+    """A target the cost model does not count next to one it does (Qwen2-MoE's shared_expert_gate
+    was one until 2026-12-01): the job planned before the no-linear check and must still plan (the
+    train recipe checks targets against the model's own modules)."""
     model, h, job, _ = _specs([])   # (tiny-llama has no such linear: the same case for the planner)
     ok = replace(job, mode="lora", lora_targets=("q_proj", "shared_expert_gate"))
     with caplog.at_level(logging.WARNING):
