@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvme_dir and not Path(args.nvme_dir).is_dir():
         print(f"lazytrain profile: --nvme-dir {args.nvme_dir} does not exist", file=sys.stderr)
         return 2
+    out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
+    try:   # (before minutes of timing: a path it cannot write is one line now, not a traceback then)
+        from ..cli.plan import _check_output
+        _check_output(str(out), "--out")
+    except ConfigError as e:
+        print(f"lazytrain profile: {e}", file=sys.stderr)
+        return 2
     import torch
 
     from ..profile.hardware import profile_machine, write_profile
@@ -84,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         spec, details = profile_machine(base, mspec, job, device, args.nvme_dir or d, args.size_mib * MiB,
                                         args.repeats, with_layers=with_layers,
                                         log=lambda line: print(line, flush=True))
-    out = Path(args.out) if args.out else config_dir() / "hardware" / "measured.yaml"
-    write_profile(spec, out, details)
+    try:
+        write_profile(spec, out, details)
+    except OSError as e:
+        print(f"lazytrain profile: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     default = (config_dir() / "hardware" / "measured.yaml").resolve()
     use = ("hardware=measured" if Path(out).resolve() == default else
            f"hardware=NAME once it is copied to {config_dir() / 'hardware'}/NAME.yaml")

@@ -101,8 +101,12 @@ def write_profile(spec: HardwareSpec, yaml_path: Path, details: dict[str, Any]) 
     header = (f"# Measured by `lazytrain profile` on {stamp}; details in {yaml_path.stem}.profile.json.\n"
               f"# Re-run `lazytrain profile` to refresh; plan with `hardware=measured`.\n")
     tmp = yaml_path.with_suffix(".tmp")
-    tmp.write_text(header + yaml.safe_dump(asdict(spec), sort_keys=False))
-    tmp.replace(yaml_path)
+    try:
+        tmp.write_text(header + yaml.safe_dump(asdict(spec), sort_keys=False))
+        tmp.replace(yaml_path)
+    except BaseException:   # (no half-written .tmp left next to where the profile was to go)
+        tmp.unlink(missing_ok=True)
+        raise
     det = yaml_path.with_name(f"{yaml_path.stem}.profile.json")
     det.write_text(json.dumps(details, indent=1, default=str))
     return yaml_path

@@ -17,7 +17,9 @@ import torch
 from ..runtime.malloc import keep_freed_memory
 from ..spec import ModelSpec
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# every spelling JobSpec accepts (spec.job.COMPUTE_DTYPES)
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
 _CACHE_FLUSH_BYTES = 128 << 20   # a pass over this evicts the last level cache (32 MiB here)
 
 

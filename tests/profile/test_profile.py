@@ -124,3 +124,26 @@ def test_broken_measured_profile_says_to_profile_again(tmp_path, monkeypatch):
 def test_profile_cli_bad_nvme_dir(tmp_path, capsys):
     rc = cli.main(["hardware=cpu", "--nvme-dir", str(tmp_path / "nope"), "--no-layers"])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_profile_cli_unwritable_out_is_refused_before_timing(tmp_path, capsys, monkeypatch):
+    """--out that is a directory, or under a file, is one line (exit 2) before any timing (review:
+    a traceback after minutes of measuring, and a stray .tmp file)."""
+    import lazytrain.profile.hardware as hwmod
+
+    def never(*a, **k):
+        raise AssertionError("timed before the --out check")
+    monkeypatch.setattr(hwmod, "profile_machine", never)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    for bad, says in ((tmp_path / "adir", "is a directory"), (tmp_path / "afile" / "m.yaml", "is not a directory")):
+        rc = cli.main(["hardware=cpu", "--no-layers", "--out", str(bad)])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_layer_times_take_every_dtype_spelling(dtype):
+    spec = model_spec(load_config(["model=tiny-llama"]))
+    assert len(measure_layers(spec, 1, 8, dtype, repeats=1)) == len(spec.layers)
