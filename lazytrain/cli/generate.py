@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
         from ..moe.api import generate
 
         prompt_ids = _prompt_ids(cfg.get("prompt_ids"))
-        res = generate(cfg.moe.store, prompt=cfg.prompt, prompt_ids=prompt_ids,
+        prompt = cfg.prompt if cfg.prompt is None or isinstance(cfg.prompt, str) else str(cfg.prompt)  # (prompt=123)
+        res = generate(cfg.moe.store, prompt=prompt, prompt_ids=prompt_ids,
                        max_new_tokens=int(cfg.max_new_tokens), **engine_kwargs(cfg))
     except USER_ERRORS as e:
         return fail("generate", e)

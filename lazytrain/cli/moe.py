@@ -87,8 +87,8 @@ TOOLS = {"convert": _convert, "train-predictor": _train_predictor, "inspect": _i
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+    if not argv or argv[0] in ("-h", "--help", "help") or any(a in ("-h", "--help") for a in argv):
+        print(USAGE)   # (`moe convert --help` went to Hydra: "LexerNoViableAltException")
         return 0
     tool, rest = argv[0], argv[1:]
     if tool not in TOOLS:

@@ -99,6 +99,11 @@ def train_predictor(eng: StreamedMoE, token_ids: list[int], out: str | Path, *, 
     if len(eng.layers) < 2:
         raise ValueError(f"the model has {len(eng.layers)} MoE layer(s); a next-layer predictor needs "
                          f"at least 2 (without one, use moe.prefetch=gate or none)")
+    for name, v in (("seq_len", seq_len), ("max_tokens", max_tokens), ("steps", steps), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:   # (seq_len=0: a ZeroDivisionError)
+            raise ValueError(f"predictor_train.{name} must be a whole number >= 1, got {v!r}")
+    if not 0 < holdout < 1:
+        raise ValueError(f"predictor_train.holdout must be in (0, 1), got {holdout!r}")
     if max_tokens < seq_len:
         raise ValueError(f"max_tokens={max_tokens} is less than one sequence of seq_len={seq_len}; "
                          f"raise max_tokens or lower seq_len")
@@ -110,9 +115,12 @@ def train_predictor(eng: StreamedMoE, token_ids: list[int], out: str | Path, *, 
         raise ValueError(f"out={out} is a directory; give a file path (e.g. predictor.safetensors)")
     traces = record_traces(eng, token_ids, seq_len, max_tokens)
     n = traces[0][0].shape[0]
-    cut = int(n * (1 - holdout)) // seq_len * seq_len or n
+    cut = int(n * (1 - holdout)) // seq_len * seq_len
+    if not 0 < cut < n:   # (the "held-out" recall was measured on the training tokens)
+        raise ValueError(f"{n // seq_len} sequence(s) of seq_len={seq_len} leave none to hold out "
+                         f"(holdout={holdout}); give more text, a larger max_tokens or a smaller seq_len")
     train = [(x[:cut], t[:cut]) for x, t in traces]
-    test = [(x[cut:], t[cut:]) for x, t in traces] if cut < n else train
+    test = [(x[cut:], t[cut:]) for x, t in traces]
     heads = train_heads(train, eng.layers, steps=steps, lr=lr, width=width, log=log)
     gate = SpeculativeGate(eng.layers)
     pred = TrainedPredictor(heads, eng.layers)

@@ -195,6 +195,11 @@ class ExpertCache:
         self._reap()
         # Prefetches queued for this layer that routing did not pick are now useless.
         self._cancel_queued(keep=set(keys) | {k for k in self.pending if k[0] != layer})
+        # Every routed expert already resident is pinned first: a miss earlier in this loop must not
+        # evict one routed later in the same call (it was then read back from disk: review)
+        for key in keys:
+            if (slot := self.slot_of.get(key)) is not None:
+                self.pinned.add(slot)
         for key in keys:
             c.demand += 1
             slot = self.slot_of.get(key)

@@ -31,6 +31,7 @@ def _expert_param_set(layers: list[MoeLayer]) -> set[str]:
 
 def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write the store of an in-memory model (fused expert parameters)."""
+    _check_rebuilt_buffers(model)
     layers = find_moe_layers(model)
     writer = StoreWriter(out_dir, model.config.to_dict())
     for ml in layers:
@@ -47,6 +48,31 @@ def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Pa
         # This model's own (eos ids, repetition penalty, ...): what its generate() uses.
         model.generation_config.save_pretrained(writer.dir)
     return writer.close()
+
+
+def _check_rebuilt_buffers(model: nn.Module) -> None:
+    """StoreError when a non-persistent buffer (rotary inv_freq) differs from the one its module
+    builds from the config: no store holds such buffers, the streamed model rebuilds them, and its
+    outputs would differ from this model's. `model.to(torch.bfloat16)` does that: it rounds
+    inv_freq to bf16, which transformers keeps fp32 (a review measured logits 0.015 apart)."""
+    for name, m in model.named_modules():
+        bufs = [(b, t) for b in sorted(getattr(m, "_non_persistent_buffers_set", ()))
+                if isinstance(t := getattr(m, b, None), torch.Tensor) and t.is_floating_point() and not t.is_meta]
+        if not bufs or not hasattr(m, "config"):
+            continue
+        try:
+            fresh = type(m)(config=m.config)
+        except Exception:   # noqa: BLE001 - a module not built from its config alone: nothing to compare
+            continue
+        for b, t in bufs:
+            f = getattr(fresh, b, None)
+            if isinstance(f, torch.Tensor) and (f.dtype != t.dtype or not torch.equal(f, t.detach().cpu())):
+                raise StoreError(
+                    f"{name}.{b} is {str(t.dtype).removeprefix('torch.')} where its module builds it "
+                    f"{str(f.dtype).removeprefix('torch.')}{' with other values' if f.dtype == t.dtype else ''} "
+                    f"(model.to(dtype) casts buffers too): the streamed model rebuilds it, so its outputs "
+                    f"would differ from this model's; convert a model loaded with "
+                    f"from_pretrained(..., dtype=...) or the checkpoint dir (convert_checkpoint)")
 
 
 def _copy_tokenizer(src: str | Path | None, dst: Path) -> None:
@@ -85,7 +111,6 @@ def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, d
     """Where each tensor the store holds lives in the checkpoint, under in-memory names:
     non-expert name -> (file, key); fused (experts_name, param) and per-expert
     (experts_name, expert, projection) -> (file, key)."""
-    from safetensors import safe_open
 
     rename = _renamer(meta)
     expected = set(meta.state_dict().keys())
@@ -95,7 +120,7 @@ def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, d
     fused: dict[tuple[str, str], tuple[Path, str]] = {}
     split: dict[tuple[str, int, str], tuple[Path, str]] = {}
     for shard in _shards(src):
-        with safe_open(str(shard), "pt") as f:
+        with _safe_open(shard) as f:
             for key in f.keys():
                 name = rename(key)
                 if name not in expected and key in expected:
@@ -174,13 +199,22 @@ def _expert_dtype(fused: dict, split: dict) -> torch.dtype | None:
     return None
 
 
+def _safe_open(shard: Path):
+    """safe_open, with a damaged file a StoreError naming it (a traceback from `moe convert` before)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(shard), "pt")
+    except SafetensorError as e:
+        raise StoreError(f"{shard}: not a readable safetensors file ({str(e).splitlines()[0]}); "
+                         "download or save it again") from None
+
+
 class _OpenShards(dict):
     """Path -> open safetensors handle, opened on first use and kept for the conversion."""
 
     def __missing__(self, shard: Path):
-        from safetensors import safe_open
-
-        f = self[shard] = safe_open(str(shard), "pt")
+        f = self[shard] = _safe_open(shard)
         return f
 
 
@@ -294,13 +328,16 @@ def _first_difference(src: Path, store: ExpertStore, meta: nn.Module) -> str | N
                 why = _differ(_ends(files[shard], key), _ends(st, name))
                 if why:
                     return f"{name} {why}"
-        for i in sorted({0, len(layers) - 1}):
-            theirs = _store_expert_ends(store, i, 0)
-            for t in store.layers[i].tensors:
-                ours = _checkpoint_expert_ends(layers[i], 0, t.name, fused, split, files)
-                why = _differ(ours, theirs[t.name]) if ours is not None else None
-                if why:
-                    return f"{layers[i].experts_name}.{t.name} expert 0 {why}"
+        # every expert of every MoE layer (an expert-only fine-tune changes no other tensor; a
+        # review's changed experts 1..7 passed when only expert 0 of two layers was compared)
+        for i in range(len(layers)):
+            for e in range(store.layers[i].num_experts):
+                theirs = _store_expert_ends(store, i, e)
+                for t in store.layers[i].tensors:
+                    ours = _checkpoint_expert_ends(layers[i], e, t.name, fused, split, files)
+                    why = _differ(ours, theirs[t.name]) if ours is not None else None
+                    if why:
+                        return f"{layers[i].experts_name}.{t.name} expert {e} {why}"
         return None
     finally:
         files.clear()
@@ -310,8 +347,9 @@ def check_store_source(hf_dir: str | Path, store: ExpertStore, meta: nn.Module) 
     """Refuse a store converted from other weights than the checkpoint at `hf_dir`: model.path only
     supplies config, tokenizer and generation config, the weights served are the store's, so
     another checkpoint of the same architecture would silently answer with the store's model.
-    Compares the first and last rows of every non-expert tensor and of expert 0 of the first and
-    last MoE layers (a few MB read); a dir without safetensors files (config only) is not checked."""
+    Compares the first and last rows of every non-expert tensor and of every expert of every MoE
+    layer (a few KB each: ~30 MB for Mixtral-8x7B); a dir without safetensors files (config only)
+    is not checked."""
     from safetensors import SafetensorError
 
     src = Path(hf_dir).expanduser()

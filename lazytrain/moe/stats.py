@@ -36,7 +36,7 @@ class MoeCounters:
 class MoeStats:
     """The summary users see: demand hit rate, prefetch precision/recall, bytes, stalls, speed."""
 
-    hit_rate: float
+    hit_rate: float | None              # None: no expert was asked for (no decode step)
     prefetch_precision: float
     prefetch_recall: float
     bytes_per_token: float
@@ -58,7 +58,7 @@ class MoeStats:
                       io_mode: str, host_cache_slots: int = 0) -> "MoeStats":
         t = max(c.tokens, 1)
         return MoeStats(
-            hit_rate=c.hits / c.demand if c.demand else 1.0,
+            hit_rate=c.hits / c.demand if c.demand else None,   # (was 1.0: "hit 100%" for nothing)
             prefetch_precision=c.prefetch_used / c.prefetch_issued if c.prefetch_issued else 0.0,
             prefetch_recall=(c.prefetch_served / (c.prefetch_served + c.misses)
                              if c.prefetch_served + c.misses else 0.0),
@@ -85,7 +85,8 @@ class MoeStats:
     def line(self) -> str:
         host = (f" | host {self.host_cache_slots} slots ({self.host_cache_bytes / 2**20:.1f} MiB), "
                 f"hit {self.host_hit_rate:.1%} of misses" if self.host_cache_slots else "")
-        return (f"moe: hit {self.hit_rate:.1%} | prefetch precision {self.prefetch_precision:.1%} "
+        hit = f"{self.hit_rate:.1%}" if self.hit_rate is not None else "n/a (no decode step)"
+        return (f"moe: hit {hit} | prefetch precision {self.prefetch_precision:.1%} "
                 f"recall {self.prefetch_recall:.1%} | {self.bytes_per_token / 2**20:.2f} MiB/token | "
                 f"stall {self.stall_s_per_token * 1e3:.2f} ms/token | predictor "
                 f"{self.predictor_s_per_token * 1e3:.2f} ms/token | {self.tokens_per_s:.1f} tok/s | "

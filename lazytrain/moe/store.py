@@ -76,6 +76,11 @@ class LayerRecord:
                          tuple(int(t["offset"]) for t in d["tensors"]), tuple(int(c) for c in d["crc32"]))
         if len(lr.crc32) != lr.num_experts:   # (an IndexError at the first load of a later expert)
             raise ValueError(f"layer {lr.block_index}: {len(lr.crc32)} checksums for {lr.num_experts} experts")
+        # The records' checksums cover their bytes, not where each tensor sits in them: an edited
+        # offset served another tensor's bytes, silently (review)
+        if (lr.offsets, lr.record_bytes) != record_layout(lr.tensors):
+            raise ValueError(f"layer {lr.block_index}: tensor offsets {list(lr.offsets)} / record size "
+                             f"{lr.record_bytes} are not the layout of its tensors {record_layout(lr.tensors)}")
         return lr
 
 
@@ -172,9 +177,12 @@ class StoreWriter:
                            "crc32": file_crc32(self.dir / NON_EXPERT)}
 
     def close(self) -> Path:
-        (self.dir / "config.json").write_text(json.dumps(self.hf_config, indent=2, sort_keys=True))
+        config = json.dumps(self.hf_config, indent=2, sort_keys=True).encode()
+        (self.dir / "config.json").write_bytes(config)
         index = {"format": FORMAT, "version": VERSION, "align_bytes": ALIGN_BYTES,
                  "model_type": self.hf_config.get("model_type"),
+                 # the config the store's model is built from (top-k, norms, rope...), checked at load
+                 "config_crc32": zlib.crc32(config),
                  "layers": [lr.to_json() for lr in self.layers],
                  "non_expert": self.non_expert}
         tmp = self.dir / (INDEX + ".tmp")
@@ -209,7 +217,16 @@ class ExpertStore:
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(f"{idx}: malformed ({type(e).__name__}: {e}); reconvert") from None
         self.model_type = index.get("model_type")
-        self.hf_config = json.loads((self.dir / "config.json").read_text())
+        cfg_path = self.dir / "config.json"
+        try:
+            config = cfg_path.read_bytes()
+            self.hf_config = json.loads(config)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{cfg_path}: not readable JSON ({e}); reconvert") from None
+        want = index.get("config_crc32")   # (stores converted before 2026-12-01 have none)
+        if want is not None and zlib.crc32(config) != want:
+            raise StoreMismatchError(f"{cfg_path} is not the config the store was converted with (checksum "
+                                     f"differs: edited?); reconvert, or restore it")
         self._files: list[DirectFile] = []
         for lr in self.layers:
             p = self.dir / lr.file

@@ -224,3 +224,25 @@ def test_a_mispredicted_prefetch_is_evictable_once_its_deadline_passed(mixtral_s
     finally:
         cache.close()
         st.close()
+
+
+def test_a_miss_does_not_evict_an_expert_the_same_call_routes_to(mixtral_store):
+    """acquire(0, [0, 1]) with (0, 1) resident and least recent, (0, 0) not: the miss for (0, 0)
+    took (0, 1)'s slot (not yet pinned), which was then read from disk again: 0 hits, 2 reads
+    (review). Resident routed experts are pinned first: 1 hit, 1 read."""
+    _, d = mixtral_store
+    st = ExpertStore(d / "store")
+    cache = ExpertCache(st, 8, LRU())
+    c = MoeCounters()
+    try:
+        for step, (layer, ids) in enumerate([(0, list(range(8))), (1, [0])]):   # (0,0) evicted, (0,1) oldest
+            cache.wait(cache.acquire(layer, ids, step, c), c)
+            cache.unpin()
+        assert (0, 1) in cache.slot_of and (0, 0) not in cache.slot_of
+        reads, hits = cache.counters.reads, c.hits
+        cache.wait(cache.acquire(0, [0, 1], 2, c), c)
+        assert (c.hits - hits, cache.counters.reads - reads) == (1, 1)
+        cache.unpin()
+    finally:
+        cache.close()
+        st.close()

@@ -62,6 +62,36 @@ def test_text_prompt_and_train_predictor(tiny_moe, tmp_path, capsys):
     assert gen_cli.main([f"moe.store={tmp_path / 's'}", "prompt=The cache", "max_new_tokens=5",
                          "moe.prefetch=predictor", f"moe.predictor={pred}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+    # review: a numeric prompt is text (was the tokenizer's type error); bad predictor settings are
+    # one line (seq_len=0 was a ZeroDivisionError traceback); one sequence leaves nothing held out
+    # (its "held-out" recall was measured on the training tokens)
+    assert gen_cli.main([f"moe.store={tmp_path / 's'}", "prompt=123", "max_new_tokens=2", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+    base = ["train-predictor", f"moe.store={tmp_path / 's'}", f"out={pred}", f"predictor_train.text={text}"]
+    for bad, says in (("predictor_train.seq_len=0", "predictor_train.seq_len must be a whole number >= 1"),
+                      ("predictor_train.steps=-1", "predictor_train.steps must be a whole number >= 1")):
+        assert moe_cli.main([*base, bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+    assert moe_cli.main([*base, "predictor_train.max_tokens=64", "predictor_train.seq_len=64"]) == 2
+    assert "leave none to hold out" in capsys.readouterr().err
+    # max_new_tokens=1: no decode step, so no decode hit rate (was "hit 100.0%")
+    assert gen_cli.main([f"moe.store={tmp_path / 's'}", "prompt=The cache", "max_new_tokens=1"]) == 0
+    assert "moe: hit n/a (no decode step)" in capsys.readouterr().err
+
+
+def test_help_anywhere_and_a_damaged_checkpoint(tiny_moe, tmp_path, capsys):
+    """`moe convert --help` printed Hydra's LexerNoViableAltException; converting a truncated
+    safetensors file was a traceback (review)."""
+    assert moe_cli.main(["convert", "--help"]) == 0
+    assert "lazytrain moe" in capsys.readouterr().out
+    tiny_moe("mixtral").save_pretrained(tmp_path / "hf")
+    f = next((tmp_path / "hf").glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[:-100])
+    capsys.readouterr()   # (save_pretrained's progress bar)
+    assert moe_cli.main(["convert", f"model.path={tmp_path / 'hf'}", f"out={tmp_path / 'o'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{f}: not a readable safetensors file" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def test_missing_store_path(tmp_path, capsys):

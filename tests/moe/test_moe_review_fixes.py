@@ -3,6 +3,7 @@ never counted as a hit, no leaked I/O threads, use after close, tied embeddings,
 size, one-line CLI errors (exit 2) on bad input, a store of other weights than model.path refused, and
 prefetch precision at most 100% in every phase."""
 
+import json
 import re
 import shutil
 import threading
@@ -492,6 +493,21 @@ def test_store_whose_experts_differ_from_model_path_refused(kind, where, tiny_mo
     load_streamed(tmp_path / "store", model_path=tmp_path / "A").close()
 
 
+def test_store_whose_other_experts_differ_from_model_path_refused(tiny_moe, tmp_path):
+    """An expert-only fine-tune of the store's checkpoint (every other tensor the same, expert 0
+    too), in a middle MoE layer: the store's model answered for model.path's until every expert of
+    every layer was compared (review, 2026-12-01)."""
+    model = tiny_moe("mixtral")
+    model.save_pretrained(tmp_path / "A")
+    convert_checkpoint(tmp_path / "A", tmp_path / "store")
+    layer = model.config.num_hidden_layers // 2
+    with torch.no_grad():
+        model.model.layers[layer].mlp.experts.down_proj[3:] *= -1.0
+    model.save_pretrained(tmp_path / "B")
+    with pytest.raises(StoreMismatchError, match=rf"model.layers.{layer}.mlp.experts.down_proj expert 3 differs"):
+        load_streamed(tmp_path / "store", model_path=tmp_path / "B")
+
+
 def test_review_fixes_in_place_convert_and_a_store_in_another_dtype(tiny_moe, tmp_path):
     """Converting into model.path itself (or a model dir with a store's files in it) is refused
     and deletes nothing; a store made from the same weights in bf16 serves an fp32 model.path."""
@@ -509,9 +525,60 @@ def test_review_fixes_in_place_convert_and_a_store_in_another_dtype(tiny_moe, tm
         convert_model(model, hf)
     assert (hf / "tokenizer.json").is_file() and (hf / "generation_config.json").is_file()
 
-    convert_model(tiny_moe("mixtral").to(torch.bfloat16), tmp_path / "s16")
+    def bf16(m):   # parameters only, as from_pretrained(dtype=bf16) (rotary inv_freq stays fp32)
+        for p in m.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        return m
+
+    convert_model(bf16(tiny_moe("mixtral")), tmp_path / "s16")
     eng = load_streamed(tmp_path / "s16", model_path=hf)       # the same weights, rounded: served
     eng.close()
     with pytest.raises(Exception, match="other weights than model.path"):
-        convert_model(tiny_moe("mixtral", seed=5).to(torch.bfloat16), tmp_path / "other")
+        convert_model(bf16(tiny_moe("mixtral", seed=5)), tmp_path / "other")
         load_streamed(tmp_path / "other", model_path=hf)
+
+
+def test_store_index_offsets_and_config_are_checked(tiny_moe, tmp_path):
+    """What the records' checksums do not cover: a tensor offset in index.json (another tensor's
+    bytes were served) and the store's config.json (an edited top-k changed the output), both
+    accepted until 2026-12-01 (review), now refused at load."""
+    from lazytrain.moe import StoreError, convert_model
+
+    model = tiny_moe("mixtral")
+    convert_model(model, tmp_path / "store")
+    load_streamed(tmp_path / "store").close()
+    idx = tmp_path / "store" / "index.json"
+    good = idx.read_text()
+    d = json.loads(good)
+    d["layers"][1]["tensors"][-1]["offset"] = 0
+    idx.write_text(json.dumps(d))
+    with pytest.raises(StoreError, match=r"malformed .*tensor offsets \[0, 0\]"):
+        load_streamed(tmp_path / "store")
+    idx.write_text(good)
+    cfg = tmp_path / "store" / "config.json"
+    c = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**c, "num_experts_per_tok": c["num_experts_per_tok"] + 1}))
+    with pytest.raises(StoreMismatchError, match="is not the config the store was converted with"):
+        load_streamed(tmp_path / "store")
+
+
+def test_convert_model_refuses_a_model_whose_rotary_buffer_was_cast(tiny_moe, tmp_path):
+    """model.to(torch.bfloat16) rounds the rotary inv_freq (non-persistent: in no store; the
+    streamed model rebuilds it in fp32), so the streamed logits were 0.015 off the model's (review):
+    refused, saying how to convert instead; the same model loaded in bf16 converts and is exact."""
+    from lazytrain.moe import StoreError, convert_model
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_moe("mixtral")
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(StoreError, match=r"rotary_emb.inv_freq is bfloat16 where its module builds it float32"):
+        convert_model(model.to(torch.bfloat16), tmp_path / "cast")
+    assert not (tmp_path / "cast" / "index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    convert_model(loaded, tmp_path / "store")
+    eng = load_streamed(tmp_path / "store")
+    try:
+        ids = torch.tensor([PROMPT])
+        assert torch.equal(eng.model(ids).logits, loaded(ids).logits)
+    finally:
+        eng.close()
