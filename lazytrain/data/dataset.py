@@ -93,6 +93,26 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
+def _walk(root: Path) -> list[Path]:
+    """Every path below `root`, following directory links (Path.rglob skipped a linked subdir's
+    files silently, while taking linked files: review), each real directory once (a link back up
+    is no loop); hidden dirs are not entered. An unreadable dir raises its OSError."""
+    def fail(e: OSError) -> None:
+        raise e
+
+    out: list[Path] = []
+    seen: set[str] = set()
+    for d, dirs, names in os.walk(root, followlinks=True, onerror=fail):
+        real = os.path.realpath(d)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        out += [Path(d) / x for x in names]
+    return out
+
+
 def expand_files(files: Sequence[str | Path]) -> list[Path]:
     """Files as given (whatever their names); a directory contributes its text and JSONL files (by
     suffix, in any case) in sorted order, hidden files and dirs below it skipped."""
@@ -101,7 +121,7 @@ def expand_files(files: Sequence[str | Path]) -> list[Path]:
         p = Path(f).expanduser()
         if p.is_dir():
             try:
-                found = sorted(q for q in p.rglob("*") if q.is_file() and not _hidden(q, p)
+                found = sorted(q for q in _walk(p) if q.is_file() and not _hidden(q, p)
                                and q.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
             except OSError as e:   # (an unreadable dir below it)
                 raise DataError(f"data dir {p}: cannot list {e.filename or ''}: {e.strerror or e}") from None
@@ -396,7 +416,14 @@ def _exact_cut(tokenizer, doc: str, start: int, end: int, tries: int = 4,
         if nl < 0:
             return None
         cut = nl + 1
-        a, b = max(start, cut - window), min(len(doc), cut + window)
+        # the window reaches past the whitespace run the cut is in (BPE merges whole runs: inside a
+        # run longer than the window the check passed where the document's tokens differ: review)
+        lo, hi = cut, cut
+        while lo > start and doc[lo - 1].isspace():
+            lo -= 1
+        while hi < len(doc) and doc[hi].isspace():
+            hi += 1
+        a, b = max(start, lo - window), min(len(doc), hi + window)
         if enc(doc[a:cut]) + enc(doc[cut:b]) == enc(doc[a:b]):
             return cut
     return None

@@ -158,6 +158,17 @@ class ShardedTensors(Mapping):
         return len(self._where)
 
 
+def remove_stale_temps(ckpt_root: Path) -> list[str]:
+    """Delete what a killed run left half-written in `ckpt_root` (a `.step_*.tmp` dir: a whole
+    checkpoint's engine state, ~100 GB for an 8B full fine-tune; a `.latest.*.tmp` file), which
+    nothing else removes (review). Call with the output dir's lock held. Returns their names."""
+    gone = []
+    for p in sorted(ckpt_root.glob(".step_*.tmp")) + sorted(ckpt_root.glob(".latest.*.tmp")):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        gone.append(p.name)
+    return gone
+
+
 def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
                     engine_tensors: Mapping[str, torch.Tensor] | None = None,
                     engine_writer: Callable[[Path], None] | None = None,

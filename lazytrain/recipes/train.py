@@ -845,7 +845,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     if last is not None:
         state = ckpt.read_state(last)
         done = int(state["step"])
-        refinish = done == max_steps and cfg.save_final_model and not (out / "final").exists()
+        # (a final/ of another step, an earlier max_steps', is stale: an extended run killed while
+        # writing its own left the old one, which every later resume kept: review)
+        refinish = done == max_steps and cfg.save_final_model and final_step(out / "final") != done
         if done >= min(max_steps, stop_at) and not refinish:
             # Nothing to train (e.g. a finished run resumed again): its outputs stay as they are,
             # summary.json and trace.jsonl with them (check_output_dir found it this job's).
@@ -857,6 +859,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:   # (a launcher's ranks share the dir: one lock, rank 0's)
         at["lock_fd"] = lock_output_dir(out)
+        gone = ckpt.remove_stale_temps(out / "checkpoints")   # (a killed run's half-written files)
+        if gone:
+            echo(f"removed what an interrupted run left half-written: {', '.join(gone)}")
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
     echo(plan_summary(pre.plan))
@@ -908,7 +913,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     metrics = MetricsLog(out, start_step) if ranks.main else _NullMetrics()
     trace_f = None
     if cfg.engine != "lazytrain" and ranks.main:
-        keep_rows(out / "trace.jsonl", start_step)   # as metrics.jsonl (steps numbered alike)
+        keep_jsonl_rows(out / "trace.jsonl", lambda rec: rec["step"] <= start_step, rows=False)   # as metrics.jsonl
         trace_f = open(out / "trace.jsonl", "a")
     bar = _progress(max_steps, start_step, bool(cfg.progress) and ranks.main)
     history: list[StepStats] = []
@@ -997,7 +1002,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             at["saving"] = "final"
             engine.sync_model()
             final_dir = out / "final"
-            save_final_model(engine, tokenizer, final_dir, ranks)
+            save_final_model(engine, tokenizer, final_dir, ranks, step=step)
     finally:
         engine.close()
     summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run, metrics.earlier)
@@ -1011,8 +1016,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         if eval_losses:
             summary["eval_loss"] = eval_losses[-1][1]
             summary["eval_losses"] = eval_losses
-    # (a resume that only wrote the final model keeps the summary of the steps that ran)
-    if ranks.main and (history or not (out / "summary.json").exists()):
+    # (a resume that only wrote the final model keeps the summary of the steps that ran, unless
+    # that summary is of an earlier end: a run extended and killed before its own was written)
+    if ranks.main and (history or _summary_end(out / "summary.json") != step):
         _write_text(out / "summary.json", json.dumps(summary, indent=1))
     echo(format_summary(summary))
     if step < max_steps:   # stop_at_step: a planned pre-emption, continued with resume=true
@@ -1059,9 +1065,28 @@ def align_special_tokens(model: torch.nn.Module, tokenizer) -> None:
             setattr(gen, name, v)
 
 
-def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks()) -> None:
+FINAL_MARK = "lazytrain_final.json"   # in final/: the step its weights are of
+
+
+def final_step(final_dir: Path) -> int | None:
+    """The step a final/ dir holds (None: none, unreadable, or written before 2026-12-01)."""
+    try:
+        return int(json.loads((final_dir / FINAL_MARK).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _summary_end(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["end_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(), step: int | None = None) -> None:
     """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.
-    Under a launcher every rank helps gather the weights; rank 0 writes them."""
+    Under a launcher every rank helps gather the weights; rank 0 writes them. `step`: recorded in
+    it (FINAL_MARK), so a resume knows whether it is the last checkpoint's."""
     tmp = final_dir.with_name(final_dir.name + ".tmp")
     if ranks.main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1074,6 +1099,8 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks())
         if not ranks.main:
             return
         tokenizer.save_pretrained(str(tmp))
+        if step is not None:
+            (tmp / FINAL_MARK).write_text(json.dumps({"step": int(step)}))
         share_like_umask(tmp)   # safetensors writes its files 0600 (see storage/filemode.py)
         ckpt.fsync_tree(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)

@@ -49,7 +49,8 @@ class Trace:
             return
         self.step_offset = steps_done
         self._fresh = False
-        keep_jsonl_rows(self.path, lambda ev: not isinstance(ev["step"], int) or ev["step"] < steps_done)
+        keep_jsonl_rows(self.path, lambda ev: not isinstance(ev["step"], int) or ev["step"] < steps_done,
+                        rows=False)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0

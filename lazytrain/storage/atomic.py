@@ -30,25 +30,48 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
 
 
-def keep_jsonl_rows(path: Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+def keep_jsonl_rows(path: Path, keep: Callable[[dict[str, Any]], bool], rows: bool = True) -> list[dict[str, Any]]:
     """Rewrite JSONL `path` with the rows `keep` accepts (a resume drops those of the steps a killed
     run wrote past its checkpoint; a line cut short by the kill goes too, as does one that is not
-    UTF-8, which ended a resume with a UnicodeDecodeError) and return them."""
+    UTF-8, which ended a resume with a UnicodeDecodeError) and return them (`rows=False`: none).
+    Streamed line by line through a temp file (fsync, rename): a long run's trace was read whole
+    and parsed into a list, ~13x its size in RAM (review: 1.8 GiB for a 138 MiB trace)."""
+    import tempfile
+
+    from .filemode import new_file_mode
+
+    out: list[dict[str, Any]] = []
     try:
-        lines = path.read_bytes().splitlines()
+        src = open(path, "rb")
     except FileNotFoundError:
-        return []
+        return out
     except OSError as e:
         raise DiskIOError(e.errno, f"read {path}: {e.strerror}") from e
-    kept, rows = [], []
-    for raw in lines:
-        try:
-            ln = raw.decode("utf-8")
-            rec = json.loads(ln)
-            if keep(rec):
-                kept.append(ln)
-                rows.append(rec)
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            pass
-    atomic_write_text(path, "".join(ln + "\n" for ln in kept))
-    return rows
+    tmp = None
+    try:
+        with src:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.fchmod(fd, new_file_mode())
+            with os.fdopen(fd, "wb") as dst:
+                for raw in src:
+                    try:
+                        line = raw.rstrip(b"\r\n")
+                        rec = json.loads(line.decode("utf-8"))
+                        if not keep(rec):
+                            continue
+                    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                        continue
+                    dst.write(line + b"\n")
+                    if rows:
+                        out.append(rec)
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        fsync_path(path.parent)
+    except OSError as e:
+        raise DiskIOError(e.errno, f"rewrite {path}: {e.strerror}") from e
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return out

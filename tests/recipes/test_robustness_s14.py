@@ -27,6 +27,30 @@ def test_a_line_that_is_not_utf8_is_dropped_on_resume_not_a_traceback(tmp_path):
     assert [json.loads(line)["step"] for line in p.read_text().splitlines()] == [1, 2]
 
 
+def test_keeping_trace_rows_streams_the_file(tmp_path):
+    """rows=False (the trace at a resume): the same rewrite, nothing returned, and memory that does
+    not grow with the file (it was read whole and parsed into a list, ~13x its size: review)."""
+    import tracemalloc
+
+    p = tmp_path / "trace.jsonl"
+    line = json.dumps({"op": "h2d", "name": "block.3", "bytes": 123456, "tier": "host", "start_s": 1.0})
+    with open(p, "w") as f:
+        for step in range(4000):
+            for _ in range(10):
+                f.write(line[:-1] + f', "step": {step}}}\n')
+    size = p.stat().st_size
+    tracemalloc.start()
+    try:
+        assert keep_jsonl_rows(p, lambda r: r["step"] < 3000, rows=False) == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 20, (peak, size)
+    steps = [json.loads(x)["step"] for x in p.read_text().splitlines()]
+    assert len(steps) == 30000 and max(steps) == 2999
+    assert not list(tmp_path.glob(".trace.jsonl.*"))
+
+
 def test_plan_trace_names_a_line_that_is_not_utf8(tmp_path):
     p = tmp_path / "trace.jsonl"
     p.write_bytes(b'{"step": 0}\n\xff\xfe\n{"step": 1}\n')

@@ -762,3 +762,46 @@ def test_fp16_job_scales_its_loss_and_resumes(base_overrides, tmp_path, capsys, 
     resumed = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"], r["loss_scale"], r["skipped"]) for r in resumed] == \
         [(r["step"], r["loss"], r["loss_scale"], r["skipped"]) for r in recs["lazytrain"]]
+
+
+def test_an_extended_run_rewrites_a_stale_final_model(base_overrides, tmp_path, capsys):
+    """A run of 4 steps writes final/; extended to 6 with resume=true and stopped before its own
+    final/ was written (a kill while saving it; here save_final_model=false), a later resume=true
+    kept the 4-step final/ and summary.json for good (review). The step final/ holds is recorded
+    and a stale one is rewritten, with a summary ending at step 6."""
+    from safetensors.torch import load_file
+
+    from lazytrain.recipes.train import final_step
+
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=4", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert final_step(out / "final") == 4
+    w4 = load_file(str(out / "final" / "model.safetensors"))
+    rc, io = _main([*base_overrides, "job.max_steps=6", "resume=true", "save_final_model=false",
+                    f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert final_step(out / "final") == 4
+    rc, io = _main([*base_overrides, "job.max_steps=6", "resume=true", "save_final_model=true",
+                    f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert final_step(out / "final") == 6
+    w6 = load_file(str(out / "final" / "model.safetensors"))
+    assert any(not torch.equal(w4[k], w6[k]) for k in w4)
+    assert json.loads((out / "summary.json").read_text())["end_step"] == 6
+
+
+def test_a_resume_removes_what_a_killed_run_left_half_written(base_overrides, tmp_path, capsys):
+    """A run killed while writing a checkpoint or moving `latest` leaves .step_*.tmp (a whole
+    engine state) and .latest.*.tmp behind, which nothing removed (review): the next run does."""
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=2", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    ck = out / "checkpoints"
+    (ck / ".step_000003.tmp").mkdir()
+    (ck / ".step_000003.tmp" / "engine.safetensors").write_bytes(b"x" * 1000)
+    (ck / ".latest.abc123.tmp").write_text("step_000003")
+    rc, io = _main([*base_overrides, "job.max_steps=3", "resume=true", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert "removed what an interrupted run left half-written: .step_000003.tmp, .latest.abc123.tmp" in io.out
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000003"]
