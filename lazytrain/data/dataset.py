@@ -173,11 +173,18 @@ def _chat_hint(obj) -> str:
 def _starts_with_array(path: Path) -> bool:
     """The file's first non-blank character is '[' (a JSON array, not JSON lines)."""
     with path.open("rb") as f:
+        first = True
         while chunk := f.read(4096):
+            if first and chunk.startswith(_BOM):
+                chunk = chunk[len(_BOM):]
+            first = False
             head = chunk.lstrip()
             if head:
                 return head[:1] == b"["
     return False
+
+
+_BOM = b"\xef\xbb\xbf"   # a UTF-8 byte-order mark (Windows editors write one): not part of the JSON
 
 
 def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
@@ -186,7 +193,7 @@ def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
     are decoded one by one so a bad byte is reported with its line; blank lines are skipped."""
     if _starts_with_array(path):
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
@@ -196,6 +203,8 @@ def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
         return
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(_BOM):   # ("Unexpected UTF-8 BOM": a review)
+                raw = raw[len(_BOM):]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:

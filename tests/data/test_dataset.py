@@ -221,3 +221,14 @@ def test_long_documents_cut_inside_whitespace_runs_tokenize_as_whole():
         assert "".join(pieces) == doc   # (in fewer pieces where no cut in a run is exact)
         got = [i for p in pieces for i in tok(p, add_special_tokens=False)["input_ids"]]
         assert got == tok(doc, add_special_tokens=False)["input_ids"], trial
+
+
+def test_jsonl_with_a_utf8_bom_reads_its_rows(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) before JSONL rows or a JSON array was a
+    hard error ("Unexpected UTF-8 BOM"); it is skipped."""
+    from lazytrain.data.dataset import read_documents
+
+    for name, body in (("a.jsonl", '{"text": "one"}\n{"text": "two"}\n'), ("b.json", '[{"text": "one"}, {"text": "two"}]')):
+        p = tmp_path / name
+        p.write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert list(read_documents(p)) == ["one", "two"]
