@@ -234,3 +234,24 @@ def test_fp16_lora_equals_peft_with_torch_gradscaler(family, plan_name, tmp_path
     assert set(got) == set(want)
     for n in want:
         assert torch.equal(got[n], want[n]), n
+
+
+@pytest.mark.gpu
+def test_fp16_on_cuda_scales_and_skips_as_on_the_cpu(tmp_path):
+    """The CUDA path (fp16 gradients leaving on the grad stream into pinned memory, fp32 master
+    updated on the host): the same skipped steps and loss scales as the CPU device, losses within
+    fp16 kernel differences."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = tiny_model("llama", dtype="float16")
+    runs = {}
+    for device in ("cpu", "cuda"):
+        ex = StreamingExecutor(copy.deepcopy(base), hand_plan(3, **plan_families(3)["params_host"]), device=device,
+                               nvme_dir=tmp_path / device, lr=1e-2, max_grad_norm=0.5,
+                               loss_scale=DynamicLossScale(scale=INIT_SCALE, growth_interval=GROWTH))
+        runs[device] = [ex.train_step(random_batches(2, seed=s)) for s in range(8)]
+        ex.close()
+    assert [r.skipped for r in runs["cuda"]] == [r.skipped for r in runs["cpu"]]
+    assert [r.loss_scale for r in runs["cuda"]] == [r.loss_scale for r in runs["cpu"]]
+    for a, b in zip(runs["cuda"], runs["cpu"]):
+        assert abs(a.loss - b.loss) <= 1e-2 * abs(b.loss)
