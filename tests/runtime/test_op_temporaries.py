@@ -494,7 +494,11 @@ def test_which_models_slide():
     assert window("qwen2", sliding_window=64) is None                                       # use_sliding_window off
     assert window("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=2) == 64
     assert window("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=4) is None
-    assert window("qwen3", sliding_window=64, layer_types=["full_attention"] * 3 + ["sliding_attention"]) == 64
+    # layer_types name the sliding layers, use_sliding_window switches the window on (transformers
+    # sets sliding_window to None without it: until 2026-12-01 this was planned as sliding)
+    assert window("qwen3", sliding_window=64, use_sliding_window=True,
+                  layer_types=["full_attention"] * 3 + ["sliding_attention"]) == 64
+    assert window("qwen3", sliding_window=64, layer_types=["full_attention"] * 3 + ["sliding_attention"]) is None
 
 
 def test_sliding_costs_only_the_sliding_blocks_and_from_the_window_on():
