@@ -397,9 +397,14 @@ class AdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"AdamW8bit.step_params: clip_scale must be finite, got {clip_scale}")
         # The kernels fold the factor into fp32 coefficients, clip * (1 - b1) and clip**2 * (1 - b2);
         # below PRESCALE_CLIP_BELOW the second would underflow (a finite norm ~1e12+ x max_grad_norm,
-        # a gradient spike) and v would lose the step's gradient: then the gradients are scaled
-        # first, in a temporary (rare: only such spikes pay the extra pass).
-        prescale = 0.0 < clip < PRESCALE_CLIP_BELOW
+        # a gradient spike; fp16's 1/loss scale) and v would lose the step's gradient: then the
+        # gradients are scaled by 2**-k first, in a temporary, and clip by 2**k (rare: only such
+        # steps pay the extra pass). Powers of two: every product the kernel forms is the one it
+        # forms without the shift, so the step is the same bit for bit (until 2026-12-01 the
+        # gradients were multiplied by clip itself, which rounded differently: a review found an
+        # fp16 step with 1/2**44 folded in off in the last bits).
+        shift = math.ceil(math.log2(PRESCALE_CLIP_BELOW / clip)) if 0.0 < clip < PRESCALE_CLIP_BELOW else 0
+        prescale = shift > 0
         _refuse_shared_memory([p for p, _ in pairs if p.grad is not None])
         work: dict[tuple[torch.device, bool], list] = defaultdict(list)
         checked: set[int] = set()
@@ -421,13 +426,13 @@ class AdamW8bit(torch.optim.Optimizer):
             if grad.dtype not in _SUPPORTED_PARAM_DTYPES or prescale:
                 grad = grad.float()
             if prescale:
-                grad = grad * clip   # (a new tensor: p.grad is left as it was)
+                grad = grad * 2.0 ** -shift   # (a new tensor: p.grad is left as it was)
             work[(p.device, "qm" in state)].append((p, grad.contiguous(), state, group))
         for items in work.values():
             for _, _, state, _ in items:
                 state["step"] += 1
         for (device, is8bit), items in work.items():
-            self._update(device, is8bit, items, 1.0 if prescale else clip)
+            self._update(device, is8bit, items, clip * 2.0 ** shift)
 
     def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> None:
         weights = [s["master"] if "master" in s else _flat(p) for p, _, s, _ in items]

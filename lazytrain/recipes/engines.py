@@ -149,8 +149,11 @@ class TorchEngine:
         gn, skipped = None, False
         if scaler is not None:
             scaler.unscale_(self.opt)   # (the clip below sees the true gradients)
-        if self.max_grad_norm is not None:
-            gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf")))
+        if self.max_grad_norm is not None or scaler is not None:
+            # (fp16: the norm is taken without clipping too, as the streaming executor's overflow
+            # check takes it, and reported alike)
+            mgn = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+            gn = float(torch.nn.utils.clip_grad_norm_(self.params, mgn or float("inf")))
             skipped = not math.isfinite(gn)
         if scaler is not None:
             scaler.step(self.opt)   # skips an overflowed step itself
@@ -198,8 +201,14 @@ class TorchEngine:
                 if st:
                     self.opt.state[p] = st
         if self.scaler is not None and "meta.loss_scale" in sd:
+            from ..runtime.loss_scale import DynamicLossScale
+
             sc = self.scaler.state_dict()
-            sc.update(scale=float(sd["meta.loss_scale"]), _growth_tracker=int(sd["meta.loss_scale_growth_tracker"]))
+            # (checked, and the count clamped below a smaller growth interval, as the executor's)
+            ls = DynamicLossScale(growth_interval=int(sc["growth_interval"]))
+            ls.load_state_dict({"scale": float(sd["meta.loss_scale"]),
+                                "growth_tracker": int(sd["meta.loss_scale_growth_tracker"])})
+            sc.update(scale=ls.scale, _growth_tracker=ls.growth_tracker)
             self.scaler.load_state_dict(sc)
 
     def sync_model(self) -> None:

@@ -94,8 +94,9 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
     """(JobSpec, max_steps): `job.max_steps` is the recipe's, the rest is the planner's JobSpec."""
     d = OmegaConf.to_container(cfg.job, resolve=True)
     max_steps = d.pop("max_steps", None)
-    if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping
-        d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None
+    if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping; fp16's
+        # overflow check waits for the global norm too (runtime.executor: _deferred)
+        d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None or d.get("compute_dtype") in ("fp16", "float16")
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         # (int() took 2.7 as 2 steps without a word, and 'abc' with a traceback)
         raise ConfigError(f"job.max_steps must be a whole number >= 1, got {max_steps!r}")
@@ -401,9 +402,12 @@ def loss_scale_settings(cfg: DictConfig) -> tuple[float, int]:
         x = float(init)
     except (TypeError, ValueError):
         x = math.nan
-    # a power of two: scaling and unscaling are then exact (and DeepSpeed takes it as a power)
+    # a power of two: scaling and unscaling are then exact (and DeepSpeed takes it as a power);
+    # within float32's normal range (2**128 was inf: every step skipped; 2**-130 gave NaN weights)
     if isinstance(init, bool) or not (math.isfinite(x) and x > 0 and math.frexp(x)[0] == 0.5):
         raise ConfigError(f"optim.loss_scale must be a power of two (fp16's initial loss scale, e.g. 65536), got {init!r}")
+    if not 2.0 ** -126 <= x <= 2.0 ** 127:
+        raise ConfigError(f"optim.loss_scale must be between 2**-126 and 2**127 (float32's range), got {init!r}")
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"optim.loss_scale_growth_interval must be a whole number >= 1 (good fp16 steps "
                           f"before the loss scale doubles), got {interval!r}")

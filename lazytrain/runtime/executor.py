@@ -59,8 +59,9 @@ TIERS = ("device", "host", "nvme")
 @dataclass(frozen=True)
 class StepResult:
     loss: float                      # mean over micro-batches
-    grad_norm: float | None          # global L2 norm of the (unclipped) gradients; None without
-                                     # max_grad_norm (not computed: math.inf clips nothing but reports it)
+    grad_norm: float | None          # global L2 norm of the (unclipped, unscaled) gradients; None without
+                                     # max_grad_norm and loss scaling (not computed: math.inf clips
+                                     # nothing but reports it)
     skipped: bool                    # non-finite gradients with clipping or loss scaling on: no update
     step_time_s: float
     device_peak_bytes: int           # the accountant's peak (CUDA: max of it and the allocator's,

@@ -26,16 +26,17 @@ class DynamicLossScale:
     growth_tracker: int = 0   # good steps in a row since the last change
 
     def __post_init__(self) -> None:
-        for name, ok in (("scale", math.isfinite(self.scale) and self.scale > 0),
+        for name, ok in (("scale", isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)),
                          ("growth_factor", math.isfinite(self.growth_factor) and self.growth_factor > 1),
                          ("backoff_factor", 0 < self.backoff_factor < 1),
                          ("growth_interval", isinstance(self.growth_interval, int)
                           and not isinstance(self.growth_interval, bool) and self.growth_interval >= 1)):
             if not ok:
-                want = {"scale": "a finite number > 0", "growth_factor": "> 1", "backoff_factor": "in (0, 1)",
+                want = {"scale": "a number", "growth_factor": "> 1", "backoff_factor": "in (0, 1)",
                         "growth_interval": "a whole number >= 1"}[name]
                 raise ValueError(f"loss scale: {name} must be {want}, got {getattr(self, name)!r}")
-        self.scale = _f32(self.scale)
+        self.scale = _checked(self.scale)
+        self.growth_tracker = min(int(self.growth_tracker), self.growth_interval - 1)
 
     def update(self, found_inf: bool) -> None:
         """After a step: back off on overflow, grow after `growth_interval` good steps."""
@@ -54,10 +55,22 @@ class DynamicLossScale:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore a saved scale and count; a count at or past this `growth_interval` (a resume
+        with a smaller one) grows at the next good step (with ==, never again: review)."""
         scale, tracker = float(sd["scale"]), int(sd["growth_tracker"])
-        if not (math.isfinite(scale) and scale > 0 and tracker >= 0):
-            raise ValueError(f"loss scale state: scale {scale!r} or growth_tracker {tracker!r} out of range")
-        self.scale, self.growth_tracker = _f32(scale), tracker
+        if tracker < 0:
+            raise ValueError(f"loss scale state: growth_tracker {tracker!r} is negative")
+        self.scale = _checked(scale)
+        self.growth_tracker = min(tracker, self.growth_interval - 1)
+
+
+def _checked(x: float) -> float:
+    """`x` as float32, refused unless a normal float32 > 0: a scale of inf skipped every step, a
+    subnormal one made 1/scale overflow and the weights NaN (review)."""
+    f = _f32(x)
+    if not (math.isfinite(f) and f >= 2.0 ** -126):
+        raise ValueError(f"loss scale: scale must be a normal float32 number > 0 (2**-126 to 2**127), got {x!r}")
+    return f
 
 
 def _f32(x: float) -> float:

@@ -13,6 +13,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # what the executor and the engines compute in (spec.units also sizes int8/fp8, which nothing here
 # trains in: a plan for them was a plan no job could run)
 COMPUTE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class JobSpec:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"job.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
+        # one spelling from here on (DeepSpeed's config took "float16" for no fp16 at all: review)
+        object.__setattr__(self, "compute_dtype", _SHORT.get(self.compute_dtype, self.compute_dtype))
         alpha = self.lora_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
             raise ValueError(f"job.lora_alpha must be a number > 0, got {alpha!r}")

@@ -197,23 +197,31 @@ def test_global_norm_over_params_on_cpu_and_cuda():
 def test_clip_factor_of_a_huge_spike_still_updates_v():
     """The fused pass folds the clip factor into clip**2 * (1 - b2), which underflows fp32 for a
     spike ~1e12+ times max_grad_norm: v would lose the step's gradient. Such a step scales the
-    gradients first, exactly as clip_grad_norm_ would, and leaves p.grad as it was."""
+    gradients by 2**-k first and the clip factor by 2**k (the same products, bit for bit, as an
+    unshifted pass with the shifted-in factor), leaves p.grad as it was, and lands where
+    clip_grad_norm_ then an unclipped step does, within the folding's rounding."""
+    import math
+
     g = torch.Generator().manual_seed(0)
     w = torch.randn(70_000, generator=g)
     spike = torch.randn(70_000, generator=g) * 1e15
-    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
-    oa, ob = AdamW8bit([a], lr=1e-3, max_grad_norm=1.0), AdamW8bit([b], lr=1e-3)
+    a, b, c = (torch.nn.Parameter(w.clone()) for _ in range(3))
+    oa, ob, oc = AdamW8bit([a], lr=1e-3, max_grad_norm=1.0), AdamW8bit([b], lr=1e-3), AdamW8bit([c], lr=1e-3)
     a.grad = spike.clone()
     oa.step()
     clip = oa.clip_scale(spike.double().pow(2).sum().float())
     assert clip < 1e-12
     assert torch.equal(a.grad, spike)                      # untouched
-    b.grad = spike * clip                                  # clip_grad_norm_ then an unclipped step
-    ob.step()
+    k = math.ceil(math.log2(1e-12 / clip))
+    b.grad = spike * 2.0 ** -k                             # the shift, by hand: no prescale in b's pass
+    ob.step_params([b], clip_scale=clip * 2.0 ** k)
     assert torch.equal(a.detach(), b.detach())
-    for k in ("qv", "absmax_v"):
-        assert torch.equal(oa.state[a][k], ob.state[b][k])
-    assert float(ob.state[b]["absmax_v"].max()) > 0        # v saw the (clipped) gradient
+    for key in ("qm", "qv", "absmax_m", "absmax_v"):
+        assert torch.equal(oa.state[a][key], ob.state[b][key])
+    assert float(oa.state[a]["absmax_v"].max()) > 0        # v saw the (clipped) gradient
+    c.grad = spike * clip                                  # clip_grad_norm_ then an unclipped step
+    oc.step()
+    torch.testing.assert_close(a.detach(), c.detach(), rtol=1e-5, atol=1e-6)
 
 
 # ---- review of 2026-11-30 (evening): torch.optim.AdamW parity of the API ----------------------------

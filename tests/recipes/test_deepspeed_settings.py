@@ -182,9 +182,11 @@ def test_fp16_loss_scale_reaches_deepspeed_under_the_users_keys():
     over = with_ds_loss_scale({"fp16": {"initial_scale_power": 12}, "aio": {"block_size": 1}}, (2.0 ** 20, 500))
     assert over == {"fp16": {"initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1},
                     "aio": {"block_size": 1}}
-    cfg, _ = ds_config_from_plan(hand_plan(2, job=JobSpec(compute_dtype="fp16")),
-                                 overrides=with_ds_loss_scale(None, (2.0 ** 20, 500)))
-    assert cfg["fp16"]["enabled"] is True and cfg["fp16"]["initial_scale_power"] == 20
+    for spelling in ("fp16", "float16"):   # (float16 gave no fp16.enabled: DeepSpeed ran fp32)
+        cfg, _ = ds_config_from_plan(hand_plan(2, job=JobSpec(compute_dtype=spelling)),
+                                     overrides=with_ds_loss_scale(None, (2.0 ** 20, 500)))
+        assert cfg["fp16"]["enabled"] is True and cfg["fp16"]["initial_scale_power"] == 20
+    assert ds_config_from_plan(hand_plan(2, job=JobSpec(compute_dtype="bfloat16")))[0]["bf16"] == {"enabled": True}
     pc = pytest.importorskip("deepspeed.runtime.precision_config")
     f16 = pc.get_float16_config(cfg)   # DeepSpeed's own reading of it
     assert f16.enabled and f16.loss_scale == 0   # (0: dynamic)

@@ -641,6 +641,9 @@ def test_unusable_dtypes_optim_values_and_damaged_weights(base_overrides, tmp_pa
     for bad in ("1000", "0", "-65536", "inf", "abc", "true"):
         _bad(capsys, [*base_overrides, "job.compute_dtype=fp16", f"optim.loss_scale={bad}"], tmp_path,
              "optim.loss_scale must be a power of two")
+    for bad in (str(2.0 ** 128), str(2.0 ** -130)):   # (inf in float32: every step skipped; NaN weights)
+        _bad(capsys, [*base_overrides, "job.compute_dtype=fp16", f"optim.loss_scale={bad}"], tmp_path,
+             "optim.loss_scale must be between 2**-126 and 2**127")
     _bad(capsys, [*base_overrides, "optim.loss_scale_growth_interval=0.5"], tmp_path,
          "optim.loss_scale_growth_interval must be a whole number >= 1")
     _bad(capsys, [*base_overrides, "optim.lr=abc"], tmp_path, "optim.lr must be a number, got 'abc'")
@@ -754,6 +757,14 @@ def test_fp16_job_scales_its_loss_and_resumes(base_overrides, tmp_path, capsys, 
             assert b["loss_scale"] in (a["loss_scale"] / 2, a["loss_scale"], a["loss_scale"] * 2)
             assert (b["loss_scale"] < a["loss_scale"]) == a["skipped"]
     assert recs["lazytrain"][0]["loss"] == pytest.approx(recs["torch"][0]["loss"], rel=1e-2)
+    # the plan times the updates after the whole backward (fp16 waits for the norm), and both
+    # engines report the norm with optim.max_grad_norm=null too
+    plan = json.loads((tmp_path / "lazytrain" / "plan.json").read_text())
+    assert plan["job"]["clip_grad"] is True and plan["job"]["compute_dtype"] == "fp16"
+    out = tmp_path / "noclip"
+    rc, io = _main([*fp16, "engine=torch", "optim.max_grad_norm=null", "job.max_steps=2", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert all(r["grad_norm"] is not None for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()))
     part = tmp_path / "part"
     rc, io = _main([*fp16, "engine=lazytrain", "stop_at_step=3", f"output_dir={part}"], capsys)
     assert rc == 0, io.err
