@@ -118,6 +118,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.train_steps, args.prompts, args.new_tokens, args.repeats = 10, 2, 16, 1
+    if args.new_tokens < 2:   # (the table is of the decode phase: one new token has no decode step)
+        ap.error(f"--new-tokens must be >= 2 (one token is the prefill's alone), got {args.new_tokens}")
     torch.set_num_threads(args.threads)
     t_start = time.time()
     cache = Path(args.cache).expanduser()

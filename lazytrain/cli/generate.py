@@ -46,7 +46,11 @@ def main(argv: list[str]) -> int:
         from ..moe.api import generate
 
         prompt_ids = _prompt_ids(cfg.get("prompt_ids"))
-        prompt = cfg.prompt if cfg.prompt is None or isinstance(cfg.prompt, str) else str(cfg.prompt)  # (prompt=123)
+        prompt = cfg.prompt
+        if prompt is not None and not isinstance(prompt, str):
+            # Hydra parsed it (prompt=123, prompt=true, prompt=1e3): the text as typed, not its value
+            prompt = next((a.split("=", 1)[1] for a in reversed(overrides)
+                           if a.lstrip("+").startswith("prompt=")), str(prompt))
         res = generate(cfg.moe.store, prompt=prompt, prompt_ids=prompt_ids,
                        max_new_tokens=int(cfg.max_new_tokens), **engine_kwargs(cfg))
     except USER_ERRORS as e:

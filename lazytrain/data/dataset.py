@@ -108,7 +108,10 @@ def _walk(root: Path) -> list[Path]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        # real dirs before links, by name: which path a dir reachable twice is taken under does not
+        # depend on the order the filesystem lists entries (it decided the data order: review)
+        dirs[:] = sorted((x for x in dirs if not x.startswith(".")),
+                         key=lambda x: (os.path.islink(os.path.join(d, x)), x))
         out += [Path(d) / x for x in names]
     return out
 
@@ -408,6 +411,9 @@ def bos_for(tokenizer, add_bos: bool | str = "auto") -> int | None:
     return bos if add_bos else None
 
 
+_RUN_LIMIT = 4096   # whitespace around a candidate cut scanned and tokenized at most (each side)
+
+
 def _exact_cut(tokenizer, doc: str, start: int, end: int, tries: int = 4,
                window: int = 256) -> int | None:
     """A cut just after one of the last `tries` line breaks in doc[start:end] (the latest that
@@ -428,10 +434,12 @@ def _exact_cut(tokenizer, doc: str, start: int, end: int, tries: int = 4,
         # the window reaches past the whitespace run the cut is in (BPE merges whole runs: inside a
         # run longer than the window the check passed where the document's tokens differ: review)
         lo, hi = cut, cut
-        while lo > start and doc[lo - 1].isspace():
+        while lo > start and doc[lo - 1].isspace() and cut - lo <= _RUN_LIMIT:
             lo -= 1
-        while hi < len(doc) and doc[hi].isspace():
+        while hi < len(doc) and doc[hi].isspace() and hi - cut <= _RUN_LIMIT:
             hi += 1
+        if cut - lo > _RUN_LIMIT or hi - cut > _RUN_LIMIT:
+            continue   # (a run this long is not checked at all, cheaply: no cut in it; review)
         a, b = max(start, lo - window), min(len(doc), hi + window)
         if enc(doc[a:cut]) + enc(doc[cut:b]) == enc(doc[a:b]):
             return cut

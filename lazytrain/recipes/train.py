@@ -850,8 +850,11 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         state = ckpt.read_state(last)
         done = int(state["step"])
         # (a final/ of another step, an earlier max_steps', is stale: an extended run killed while
-        # writing its own left the old one, which every later resume kept: review)
-        refinish = done == max_steps and cfg.save_final_model and final_step(out / "final") != done
+        # writing its own left the old one, which every later resume kept: review; one written before
+        # the step was recorded is taken as current, as before)
+        held = final_step(out / "final")
+        refinish = done == max_steps and cfg.save_final_model and (
+            not (out / "final").exists() or (held is not None and held != done))
         if done >= min(max_steps, stop_at) and not refinish:
             # Nothing to train (e.g. a finished run resumed again): its outputs stay as they are,
             # summary.json and trace.jsonl with them (check_output_dir found it this job's).
@@ -863,7 +866,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:   # (a launcher's ranks share the dir: one lock, rank 0's)
         at["lock_fd"] = lock_output_dir(out)
-        gone = ckpt.remove_stale_temps(out / "checkpoints")   # (a killed run's half-written files)
+        # a killed run's half-written files; only under the lock (a filesystem without flock gives
+        # none: another run may be writing its checkpoint there)
+        gone = ckpt.remove_stale_temps(out / "checkpoints") if at["lock_fd"] is not None else []
         if gone:
             echo(f"removed what an interrupted run left half-written: {', '.join(gone)}")
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"

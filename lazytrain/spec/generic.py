@@ -185,7 +185,7 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                     isinstance(w, torch.nn.Parameter) and w.dim() == 2 and not isinstance(mod, torch.nn.Embedding)):
                 # (an MoE router holds its [experts, hidden] matrix as a bare weight)
                 out_f, in_f = int(w.shape[0]), int(w.shape[1])
-                linears.append(Linear(mname.split(".")[-1], in_f, out_f))
+                linears.append(Linear(mname.split(".")[-1], in_f, out_f, lora=isinstance(mod, torch.nn.Linear)))
                 matmul += in_f * out_f
         for pname, p in block.named_parameters():
             if p.dim() == 3:   # one weight per expert: [experts, out, in] (or [experts, in, out])

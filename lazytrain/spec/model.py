@@ -27,7 +27,14 @@ REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attentio
 # tests/spec/test_family_defaults.py checks the table against transformers' classes.
 # Families whose routed experts PEFT's LoRA wraps (3-D weights, by MLP target names; peft 0.21)
 PEFT_WRAPS_EXPERTS = ("qwen3_moe", "olmoe")
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")   # transformers maps one onto the other
+# The keys each MoE family's transformers config takes its expert count from, the first set one
+# winning (its attribute_map: Mixtral's num_experts is an alias of num_local_experts and wins over
+# it, Qwen3-MoE's and OLMoE's the other way round; Qwen2-MoE has no alias, num_local_experts is
+# ignored), and its default.
+EXPERT_COUNT_KEYS = {"mixtral": ("num_experts", "num_local_experts"), "qwen2_moe": ("num_experts",),
+                     "qwen3_moe": ("num_local_experts", "num_experts"),
+                     "olmoe": ("num_local_experts", "num_experts")}
+EXPERT_COUNT_DEFAULT = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128, "olmoe": 64}
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
     "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=4096),
@@ -36,14 +43,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768, use_sliding_window=False,
                   sliding_window=4096, max_window_layers=28),
     "mixtral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=None,
-                    num_experts_per_tok=2, num_local_experts=8),
+                    num_experts_per_tok=2),
     "qwen2_moe": dict(num_key_value_heads=16, max_position_embeddings=32768, use_sliding_window=False,
                       sliding_window=4096, max_window_layers=28, decoder_sparse_step=1, moe_intermediate_size=1408,
-                      shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60),
+                      shared_expert_intermediate_size=5632, num_experts_per_tok=4),
     "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, use_sliding_window=False,
                       sliding_window=4096, decoder_sparse_step=1, moe_intermediate_size=768,
-                      num_experts_per_tok=8, num_experts=128),
-    "olmoe": dict(num_key_value_heads=None, max_position_embeddings=4096, num_experts_per_tok=8, num_experts=64),
+                      num_experts_per_tok=8),
+    "olmoe": dict(num_key_value_heads=None, max_position_embeddings=4096, num_experts_per_tok=8),
 }
 
 
@@ -59,6 +66,7 @@ class Linear:
     out_features: int
     count: int = 1       # how many copies (experts) the block holds
     active: int = 1      # how many of them a token uses (top-k for experts)
+    lora: bool = True    # an nn.Linear PEFT's LoRA can wrap (a measured spec's bare router weight is not)
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,8 @@ class ModelSpec:
         review found Qwen1.5-MoE's planned adapters 16.8x PEFT's: its experts are not wrapped."""
         experts_wrapped = self.family in PEFT_WRAPS_EXPERTS or self.family not in FAMILIES
         return tuple(lin for lin in layer.linears
-                     if (lin.count == 1 or experts_wrapped) and not (self.family in FAMILIES and lin.name == "gate"))
+                     if lin.lora and (lin.count == 1 or experts_wrapped)
+                     and not (self.family in FAMILIES and lin.name == "gate"))
 
     def lora_target_names(self) -> list[str]:
         """Names (last part, as PEFT matches them) a LoRA target may take: those of `nn.Linear`
@@ -164,6 +173,9 @@ class ModelSpec:
         for ld in d["layers"]:   # (absent where 0: the families' specs, and their plans' hashes, as before)
             if not ld["saved_bytes_per_token_per_seq"]:
                 del ld["saved_bytes_per_token_per_seq"]
+            for lin in ld["linears"]:   # (likewise: absent where True)
+                if lin.get("lora", True):
+                    lin.pop("lora", None)
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -235,17 +247,22 @@ def _count(cfg: dict, key: str, default: Any = None, hint: str = "") -> int:
     return int(v)
 
 
+def _expert_count(cfg: dict, family: str) -> tuple[str, Any]:
+    """(the key, the value) of the family's expert count as transformers reads it (EXPERT_COUNT_KEYS)."""
+    keys = EXPERT_COUNT_KEYS[family]
+    key = next((k for k in keys if cfg.get(k) is not None), keys[0])
+    return key, cfg.get(key) if cfg.get(key) is not None else EXPERT_COUNT_DEFAULT[family]
+
+
 def _check_moe(cfg: dict, family: str, num_layers: int) -> None:
     """The expert layout `_moe_layout` reads, checked once with the key named."""
-    if family == "mixtral":
-        E = _count(cfg, "num_local_experts", _get(cfg, "num_experts", default=8))
-    elif family == "olmoe":
-        E = _count(cfg, "num_experts", _get(cfg, "num_local_experts", default=64))
+    key, E = _expert_count(cfg, family)
+    if family in ("mixtral", "olmoe"):
+        E = _count(cfg, key, E)
     else:   # qwen3_moe / qwen2_moe: no experts (0) means every block is dense
-        E = _get(cfg, "num_experts", "num_local_experts", default=0)
         if E == 0:
             return
-        E = _count(cfg, "num_experts", E)
+        E = _count(cfg, key, E)
         sparse = [i for i in range(num_layers) if _moe_layout_sparse(cfg, i)]
         if sparse:
             _count(cfg, "moe_intermediate_size", hint=f" (the experts' width; {family} blocks "
@@ -280,9 +297,7 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
-    # (keys the file names, None included, are its own; an expert count under either name is one)
-    raw, cfg = cfg, {**{k: v for k, v in FAMILY_DEFAULTS[family].items()
-                        if not (k in _EXPERT_COUNT_KEYS and any(a in cfg for a in _EXPERT_COUNT_KEYS))}, **cfg}
+    raw, cfg = cfg, {**FAMILY_DEFAULTS[family], **cfg}   # (keys the file names, None included, are its own)
     for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
         # a JSON string "false" would read as True; transformers refuses such a config
         if key in cfg and not isinstance(cfg[key], bool) and cfg[key] is not None:
@@ -362,16 +377,16 @@ def _sliding_window(cfg: dict, family: str, num_layers: int) -> tuple[int | None
 def _moe_layout(cfg: dict, family: str, i: int) -> tuple[int, int, int, int]:
     """(num_experts, top_k, expert_intermediate, shared_intermediate) for block i; zeros if dense."""
     if family == "mixtral":
-        return int(_get(cfg, "num_local_experts", "num_experts", default=8)), \
+        return int(_expert_count(cfg, family)[1]), \
             int(_get(cfg, "num_experts_per_tok", default=2)), int(cfg["intermediate_size"]), 0
     if family in ("qwen3_moe", "qwen2_moe"):
-        E = int(_get(cfg, "num_experts", "num_local_experts", default=0))
+        E = int(_expert_count(cfg, family)[1])
         if E == 0 or not _moe_layout_sparse(cfg, i):
             return 0, 0, 0, 0
         shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
         return E, int(_get(cfg, "num_experts_per_tok", default=2)), int(cfg["moe_intermediate_size"]), shared
     if family == "olmoe":
-        return int(_get(cfg, "num_experts", "num_local_experts", default=64)), \
+        return int(_expert_count(cfg, family)[1]), \
             int(_get(cfg, "num_experts_per_tok", default=8)), int(cfg["intermediate_size"]), 0
     return 0, 0, 0, 0
 

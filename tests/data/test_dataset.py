@@ -193,6 +193,12 @@ def test_a_data_dir_follows_linked_subdirs_once(tmp_path):
     (d / "linked").symlink_to(elsewhere, target_is_directory=True)
     (d / "up").symlink_to(d, target_is_directory=True)
     assert [p.relative_to(d).as_posix() for p in expand_files([d])] == ["b.txt", "linked/a.txt"]
+    # a dir reachable as itself and through a link is taken as itself, whatever order the
+    # filesystem lists them in (the first listed decided the data order: review)
+    (d / "v3").mkdir()
+    (d / "v3" / "c.txt").write_text("c")
+    (d / "a_latest").symlink_to(d / "v3", target_is_directory=True)
+    assert [p.relative_to(d).as_posix() for p in expand_files([d])] == ["b.txt", "linked/a.txt", "v3/c.txt"]
 
 
 def test_long_documents_cut_inside_whitespace_runs_tokenize_as_whole():

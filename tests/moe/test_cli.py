@@ -65,8 +65,13 @@ def test_text_prompt_and_train_predictor(tiny_moe, tmp_path, capsys):
     # review: a numeric prompt is text (was the tokenizer's type error); bad predictor settings are
     # one line (seq_len=0 was a ZeroDivisionError traceback); one sequence leaves nothing held out
     # (its "held-out" recall was measured on the training tokens)
-    assert gen_cli.main([f"moe.store={tmp_path / 's'}", "prompt=123", "max_new_tokens=2", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    for typed in ("123", "1e3", "true"):   # (Hydra's value was used: 'True', '1000.0')
+        assert gen_cli.main([f"moe.store={tmp_path / 's'}", f"prompt={typed}", "max_new_tokens=2", "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["stats"]["prefill_tokens"] == len(tok(typed)["input_ids"]), typed
     base = ["train-predictor", f"moe.store={tmp_path / 's'}", f"out={pred}", f"predictor_train.text={text}"]
     for bad, says in (("predictor_train.seq_len=0", "predictor_train.seq_len must be a whole number >= 1"),
                       ("predictor_train.steps=-1", "predictor_train.steps must be a whole number >= 1")):

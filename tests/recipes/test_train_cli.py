@@ -816,3 +816,18 @@ def test_a_resume_removes_what_a_killed_run_left_half_written(base_overrides, tm
     assert rc == 0, io.err
     assert "removed what an interrupted run left half-written: .step_000003.tmp, .latest.abc123.tmp" in io.out
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000003"]
+
+
+def test_a_final_model_written_before_the_step_was_recorded_is_kept(base_overrides, tmp_path, capsys):
+    """final/ without lazytrain_final.json (a run finished before 2026-12-01): a resume of the
+    finished run changes nothing in it (it was rewritten, with a user's file in it deleted: review)."""
+    from lazytrain.recipes.train import FINAL_MARK
+
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "job.max_steps=2", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    (out / "final" / FINAL_MARK).unlink()
+    (out / "final" / "my_eval.txt").write_text("mine")
+    rc, io = _main([*base_overrides, "job.max_steps=2", "resume=true", f"output_dir={out}"], capsys)
+    assert rc == 0 and "no steps run" in io.out, io.out
+    assert (out / "final" / "my_eval.txt").read_text() == "mine"

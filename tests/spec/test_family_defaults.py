@@ -88,3 +88,33 @@ def test_lora_parameters_are_what_peft_creates(family, targets):
     if unusable:   # (what train refuses, plan refuses too when nothing else matches)
         with pytest.raises(ValueError, match="match no linear layer"):
             check_lora_targets(spec, unusable)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("keys", [{"num_experts": 6}, {"num_local_experts": 6}, {"num_experts": 6, "num_local_experts": 5}])
+def test_expert_count_is_read_as_transformers_reads_it(family, keys):
+    """Each family's own key and alias direction (Qwen2-MoE ignores num_local_experts: planned with
+    it, a model 5x the plan's parameters; review)."""
+    cfg = dict(model_type=family, **MINIMAL, moe_intermediate_size=32, num_experts_per_tok=2, **keys)
+    conf, model = _meta_model(cfg)
+    assert ModelSpec.from_hf_config(cfg).param_count == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                     layer_types=["sliding_attention", "full_attention"])),
+])
+def test_measured_specs_offer_the_lora_targets_train_accepts(family, extra):
+    """A measured (generic) MoE spec counted its router's bare 2-D weight as a linear, so `plan`
+    accepted job.lora_targets=[router], which train refuses (review): only nn.Linear modules."""
+    from lazytrain.models.lora import unmatched_targets
+
+    cfg = dict(model_type=family, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=128, intermediate_size=48, head_dim=8, **extra)
+    spec = ModelSpec.from_hf_config(cfg)
+    conf = AutoConfig.for_model(**cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(conf)
+    _, names = unmatched_targets(model, [])
+    assert set(spec.lora_target_names()) == set(names)
