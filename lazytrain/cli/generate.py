@@ -49,8 +49,9 @@ def main(argv: list[str]) -> int:
         prompt = cfg.prompt
         if prompt is not None and not isinstance(prompt, str):
             # Hydra parsed it (prompt=123, prompt=true, prompt=1e3): the text as typed, not its value
-            prompt = next((a.split("=", 1)[1] for a in reversed(overrides)
-                           if a.lstrip("+").startswith("prompt=")), str(prompt))
+            raw = next((a.split("=", 1)[1] for a in reversed(overrides)
+                        if a.lstrip("+").startswith("prompt=")), None)
+            prompt = raw if raw is not None and "${" not in raw else str(prompt)
         res = generate(cfg.moe.store, prompt=prompt, prompt_ids=prompt_ids,
                        max_new_tokens=int(cfg.max_new_tokens), **engine_kwargs(cfg))
     except USER_ERRORS as e:

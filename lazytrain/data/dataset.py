@@ -108,8 +108,9 @@ def _walk(root: Path) -> list[Path]:
             dirs[:] = []
             continue
         seen.add(real)
-        # real dirs before links, by name: which path a dir reachable twice is taken under does not
-        # depend on the order the filesystem lists entries (it decided the data order: review)
+        # real dirs before links, by name, at each level: which path a dir reachable twice is taken
+        # under does not depend on the order the filesystem lists entries (it decided the data
+        # order: review); a link at a shallower level than the real dir still comes first
         dirs[:] = sorted((x for x in dirs if not x.startswith(".")),
                          key=lambda x: (os.path.islink(os.path.join(d, x)), x))
         out += [Path(d) / x for x in names]

@@ -158,6 +158,10 @@ class TorchEngine:
         if scaler is not None:
             scaler.step(self.opt)   # skips an overflowed step itself
             scaler.update()
+            from ..runtime.loss_scale import MIN_SCALE
+
+            if float(scaler.get_scale()) < MIN_SCALE:   # (as the executor's: runtime.loss_scale)
+                scaler.update(MIN_SCALE)
             skipped = float(scaler.get_scale()) < scale_used   # backed off: it overflowed
         elif not skipped:
             self.opt.step()

@@ -540,6 +540,32 @@ def _weights_fingerprint(model_dir: str) -> str:
     return h.hexdigest()[:24]
 
 
+def _ds_precision(ds_config: dict) -> str:
+    for key in ("bf16", "fp16"):
+        sec = ds_config.get(key)
+        if isinstance(sec, dict) and sec.get("enabled") is True:
+            return key
+    return "fp32"
+
+
+def check_deepspeed_precision(out: Path, compute_dtype: str) -> None:
+    """ConfigError when a DeepSpeed run would resume in another precision than it trained in (the
+    one its ds_config.json records): DeepSpeed's checkpoint files are per precision, and it failed
+    on a missing file with advice to remove a good checkpoint. Until 2026-12-01 the long spellings
+    (job.compute_dtype=bfloat16/float16) did not reach DeepSpeed, whose runs trained in fp32."""
+    try:
+        ran = _ds_precision(json.loads((out / "ds_config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return   # (no record: nothing to compare)
+    want = {"bf16": "bf16", "fp16": "fp16"}.get(compute_dtype, "fp32")
+    if ran != want:
+        raise ConfigError(f"cannot resume: this DeepSpeed run trained in {ran} ({out / 'ds_config.json'}), "
+                          f"job.compute_dtype={compute_dtype} would resume it in {want}; resume with "
+                          f"job.compute_dtype={ran}" + (" (until 2026-12-01 job.compute_dtype=bfloat16 and "
+                                                        "float16 did not reach DeepSpeed: it ran fp32)"
+                                                        if ran == "fp32" else ""))
+
+
 def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, pre: Preflight) -> None:
     """A checkpoint continues only the same job (`job_identity`; keys an older checkpoint lacks
     are not compared)."""
@@ -820,6 +846,8 @@ def check_output_dir(cfg: DictConfig, out: Path, pre: Preflight) -> None:
     if cfg.resume and found is not None:
         state = ckpt.read_state(found)
         check_resumable(state, cfg, pre.dataset, pre)
+        if cfg.engine == "deepspeed":
+            check_deepspeed_precision(out, pre.job.compute_dtype)
         world = ranks_of(cfg).world
         # (said before the model is built and engines start; only where the launcher set WORLD_SIZE:
         # one that starts the process group itself, MPI or srun, is checked in resume_state)
@@ -853,8 +881,11 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         # writing its own left the old one, which every later resume kept: review; one written before
         # the step was recorded is taken as current, as before)
         held = final_step(out / "final")
-        refinish = done == max_steps and cfg.save_final_model and (
-            not (out / "final").exists() or (held is not None and held != done))
+        if held is None and (out / "final").exists():
+            # written before the step was recorded: current when the run's summary (written after
+            # final/) ends at this step; an extended run killed while saving left the older one
+            held = _summary_end(out / "summary.json")
+        refinish = done == max_steps and cfg.save_final_model and held != done
         if done >= min(max_steps, stop_at) and not refinish:
             # Nothing to train (e.g. a finished run resumed again): its outputs stay as they are,
             # summary.json and trace.jsonl with them (check_output_dir found it this job's).

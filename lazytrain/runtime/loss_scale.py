@@ -15,6 +15,9 @@ import math
 from dataclasses import dataclass
 
 
+MIN_SCALE = 2.0 ** -126   # float32's smallest normal number
+
+
 @dataclass
 class DynamicLossScale:
     """torch.amp.GradScaler's defaults and update rule (``torch._amp_update_scale_``)."""
@@ -41,7 +44,9 @@ class DynamicLossScale:
     def update(self, found_inf: bool) -> None:
         """After a step: back off on overflow, grow after `growth_interval` good steps."""
         if found_inf:
-            self.scale = _f32(self.scale * self.backoff_factor)
+            # (not below float32's smallest normal number, where 1/scale overflows; GradScaler goes
+            # on halving: this differs from it only after ~140 overflowed steps in a row)
+            self.scale = max(_f32(self.scale * self.backoff_factor), MIN_SCALE)
             self.growth_tracker = 0
             return
         self.growth_tracker += 1

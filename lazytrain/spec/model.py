@@ -250,6 +250,9 @@ def _count(cfg: dict, key: str, default: Any = None, hint: str = "") -> int:
 def _expert_count(cfg: dict, family: str) -> tuple[str, Any]:
     """(the key, the value) of the family's expert count as transformers reads it (EXPERT_COUNT_KEYS)."""
     keys = EXPERT_COUNT_KEYS[family]
+    for k in keys:   # (transformers builds no model from a null count: train failed in a traceback)
+        if k in cfg and cfg[k] is None:
+            raise ModelConfigError(f"config: {k} is null; give the number of experts or leave the key out")
     key = next((k for k in keys if cfg.get(k) is not None), keys[0])
     return key, cfg.get(key) if cfg.get(key) is not None else EXPERT_COUNT_DEFAULT[family]
 

@@ -191,3 +191,21 @@ def test_fp16_loss_scale_reaches_deepspeed_under_the_users_keys():
     f16 = pc.get_float16_config(cfg)   # DeepSpeed's own reading of it
     assert f16.enabled and f16.loss_scale == 0   # (0: dynamic)
     assert (f16.initial_dynamic_scale(), f16.loss_scale_window, f16.hysteresis) == (2 ** 20, 500, 1)
+
+
+def test_a_deepspeed_run_resumes_only_in_the_precision_it_trained_in(tmp_path):
+    """DeepSpeed's checkpoint files are per precision: a run recorded in fp32 resumed in bf16
+    failed on a missing bf16_* file, with advice to remove a good checkpoint (review: runs started
+    with job.compute_dtype=bfloat16 trained fp32 until the spelling reached DeepSpeed)."""
+    from lazytrain.cli.config import ConfigError
+    from lazytrain.recipes.train import check_deepspeed_precision
+
+    check_deepspeed_precision(tmp_path, "bf16")   # no record: nothing to compare
+    (tmp_path / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    check_deepspeed_precision(tmp_path, "fp32")
+    with pytest.raises(ConfigError, match=r"trained in fp32 .* resume with job.compute_dtype=fp32 \(until 2026-12-01"):
+        check_deepspeed_precision(tmp_path, "bf16")
+    (tmp_path / "ds_config.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    check_deepspeed_precision(tmp_path, "bf16")
+    with pytest.raises(ConfigError, match="trained in bf16"):
+        check_deepspeed_precision(tmp_path, "fp32")

@@ -831,3 +831,14 @@ def test_a_final_model_written_before_the_step_was_recorded_is_kept(base_overrid
     rc, io = _main([*base_overrides, "job.max_steps=2", "resume=true", f"output_dir={out}"], capsys)
     assert rc == 0 and "no steps run" in io.out, io.out
     assert (out / "final" / "my_eval.txt").read_text() == "mine"
+    # ... unless the run's summary (written after final/) ends elsewhere: an extended run killed
+    # while writing its final model (here: one that did not write it) left the older one
+    rc, io = _main([*base_overrides, "job.max_steps=3", "resume=true", "save_final_model=false",
+                    f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "end_step": 2}))   # (the kill came first)
+    rc, io = _main([*base_overrides, "job.max_steps=3", "resume=true", "save_final_model=true",
+                    f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    assert (out / "final" / FINAL_MARK).is_file() and not (out / "final" / "my_eval.txt").exists()

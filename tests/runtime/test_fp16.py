@@ -105,6 +105,13 @@ def test_loss_scale_rule_is_gradscalers():
     ls.load_state_dict({"scale": 1024.0, "growth_tracker": 6})
     ls.update(False)
     assert ls.scale == 2048.0 and ls.growth_tracker == 0
+    # backing off stops at float32's smallest normal number (below it 1/scale overflows), so a run
+    # that overflows at every scale keeps a state it can resume from
+    ls = DynamicLossScale(scale=2.0 ** -125)
+    for _ in range(3):
+        ls.update(True)
+    assert ls.scale == 2.0 ** -126
+    DynamicLossScale().load_state_dict(ls.state_dict())
     with pytest.raises(ValueError, match="growth_interval"):
         DynamicLossScale(growth_interval=0)
 

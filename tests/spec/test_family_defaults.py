@@ -118,3 +118,13 @@ def test_measured_specs_offer_the_lora_targets_train_accepts(family, extra):
     model = AutoModelForCausalLM.from_config(conf)
     _, names = unmatched_targets(model, [])
     assert set(spec.lora_target_names()) == set(names)
+
+
+
+@pytest.mark.parametrize("family,key", [("mixtral", "num_experts"), ("qwen3_moe", "num_local_experts"),
+                                        ("qwen2_moe", "num_experts")])
+def test_a_null_expert_count_is_refused(family, key):
+    """transformers builds no model from it: plan planned another key's count or the default, and
+    train failed with a traceback (review)."""
+    with pytest.raises(ModelConfigError, match=f"{key} is null"):
+        ModelSpec.from_hf_config(dict(model_type=family, **MINIMAL, **{key: None}))
