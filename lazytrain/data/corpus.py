@@ -7,8 +7,8 @@ No network, deterministic for a given Python version.
 
 from __future__ import annotations
 
+import json
 import os
-
 from pathlib import Path
 
 
@@ -31,16 +31,19 @@ def _sources() -> list[tuple[str, str]]:
     return docs + licenses
 
 
-def build_corpus(out_dir: str | Path, val_fraction: float = 0.05) -> tuple[Path, Path]:
-    """Write train.txt and val.txt (documents separated by blank lines); returns their paths.
+def build_corpus(out_dir: str | Path, val_fraction: float = 0.05, documents: bool = False) -> tuple[Path, Path]:
+    """Write train.txt and val.txt (documents separated by blank lines: one text each, for a
+    tokenizer to learn from) and train.jsonl / val.jsonl (one row per document: what training
+    reads, so every document ends with EOS; read as one text file the demo trained on 93 documents
+    without a boundary: review); returns the .txt paths, or with `documents` the .jsonl ones.
 
     The split is by document (every 1/val_fraction-th document goes to validation) so validation
     text is never seen in training. Rebuilt only when missing.
     """
     out = Path(out_dir)
-    train_p, val_p = out / "train.txt", out / "val.txt"
-    if train_p.is_file() and val_p.is_file():
-        return train_p, val_p
+    paths = [out / n for n in ("train.txt", "val.txt", "train.jsonl", "val.jsonl")]
+    if all(p.is_file() for p in paths):
+        return (paths[2], paths[3]) if documents else (paths[0], paths[1])
     out.mkdir(parents=True, exist_ok=True)
     every = max(2, round(1 / val_fraction))
     train, val = [], []
@@ -48,8 +51,10 @@ def build_corpus(out_dir: str | Path, val_fraction: float = 0.05) -> tuple[Path,
         text = text.strip()
         if text:
             (val if i % every == every - 1 else train).append(text)
-    for p, docs in ((train_p, train), (val_p, val)):
+    for p, docs, rows in ((paths[0], train, False), (paths[1], val, False), (paths[2], train, True),
+                          (paths[3], val, True)):
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # ranks may race
-        tmp.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+        text = "".join(json.dumps({"text": d}) + "\n" for d in docs) if rows else "\n\n".join(docs) + "\n"
+        tmp.write_text(text, encoding="utf-8")
         tmp.replace(p)
-    return train_p, val_p
+    return (paths[2], paths[3]) if documents else (paths[0], paths[1])

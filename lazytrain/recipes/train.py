@@ -138,7 +138,8 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
         train_txt, _ = build_corpus(cache / "corpus")
         tok_dir = d.get("tokenizer") or build_tokenizer(
             [train_txt], cache / f"tokenizer-{int(d.vocab_size)}", vocab_size=int(d.vocab_size))
-        files = [Path(str(f)) for f in data_files(d)] or [train_txt]
+        train_docs, _ = build_corpus(cache / "corpus", documents=True)   # (one row, one EOS, per document)
+        files = [Path(str(f)) for f in data_files(d)] or [train_docs]
         return files, Path(str(tok_dir)).expanduser()
     files = [Path(str(f)).expanduser() for f in data_files(d)]
     if not files:
