@@ -55,7 +55,18 @@ CASES = {
 }
 PLANS = ("all_resident", "acts_host", "acts_nvme", "params_host", "params_nvme", "mixed_segments",
          "recompute_all")
-HEAD_IN_SEGMENT = {"recompute_all", "mixed_segments"}
+
+
+def audit_plan_kwargs(blocks: int, name: str) -> dict:
+    """hand_plan arguments of plan family `name`, with recompute segments over blocks only: the
+    planner never puts the embedding or the head in one, and the cost model refuses to predict such
+    a plan (the families of the exactness tests do, which crashed this script: review)."""
+    kw = dict(plan_families(blocks)[name])
+    if name == "mixed_segments":
+        kw["segments"] = [(1, 2), (blocks - 1, blocks)] if blocks >= 4 else [(1, 1)]
+    elif name == "recompute_all":
+        kw["segments"] = [(1, blocks)]
+    return kw
 VOCAB = 1024
 
 
@@ -65,7 +76,7 @@ def measure(label: str, plan_name: str, seq: int) -> tuple[int, int]:
     blocks = base.config.num_hidden_layers
     job = JobSpec(**{"batch_size": 2, "seq_len": seq, "compute_dtype": "bf16", **job_kw})
     hw = hardware_for_tests()
-    plan = hand_plan(blocks, job=job, hardware=hw, **plan_families(blocks)[plan_name])
+    plan = hand_plan(blocks, job=job, hardware=hw, **audit_plan_kwargs(blocks, plan_name))
     predicted = planned_device_peak(base, plan)
     model = copy.deepcopy(base)
     if lora:
@@ -105,9 +116,8 @@ def main() -> None:
     for label, plan_name, tokens, predicted, measured in rows:
         flag = ""
         if measured > predicted:
-            flag = "  measured above (head in a segment: not a planner plan)" if plan_name in HEAD_IN_SEGMENT \
-                else "  MEASURED ABOVE THE PLAN"
-            under += plan_name not in HEAD_IN_SEGMENT
+            flag = "  MEASURED ABOVE THE PLAN"
+            under += 1
         print(f"{label:<20} {plan_name:<15} {tokens:>6} {predicted / 2**20:>14.2f} {measured / 2**20:>13.2f} "
               f"{measured / predicted - 1:>+9.1%}{flag}")
     print(f"planner-shaped plans measured above their prediction: {under}")

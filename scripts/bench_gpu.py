@@ -111,7 +111,7 @@ def streaming_rows(device: torch.device, layers: int, hidden: int, inter: int, v
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     mbs = [(ids, ids.clone())]
     plain = copy.deepcopy(model).to(device)
-    popt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.0, fused=True)   # (as the executor's)
 
     def plain_step():
         x, y = ids.to(device), ids.to(device)

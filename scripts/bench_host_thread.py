@@ -33,10 +33,11 @@ SHAPES = [(3072, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816), 
 
 def layer_work(grads_pinned: list[torch.Tensor], acc: list[torch.Tensor], master: list[torch.Tensor],
                m: list[torch.Tensor], v: list[torch.Tensor], step: list[torch.Tensor]) -> None:
-    """One layer's host work, as the executor does it: accumulate, norms, fused AdamW."""
-    for a, g in zip(acc, grads_pinned):
-        a.copy_(g)
-    [torch.linalg.vector_norm(a) for a in acc]
+    """One layer's host work, as the executor does it (runtime/layer_state.py): the layer's first
+    accumulation one _foreach_copy_, its norms one _foreach_norm (until 2026-12-01 this script made
+    a call per tensor, which the executor no longer does: review), fused AdamW."""
+    torch._foreach_copy_(acc, grads_pinned)
+    torch._foreach_norm(acc)
     torch._fused_adamw_(master, acc, m, v, [], step, lr=1e-4, beta1=0.9, beta2=0.999,
                         weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 

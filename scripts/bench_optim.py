@@ -35,6 +35,7 @@ from lazytrain.optim import AdamW8bit  # noqa: E402
 from lazytrain.optim import kernel_cpp  # noqa: E402
 
 LR = 1e-3
+WD = 0.01   # weight decay, the same for every optimizer (DeepSpeedCPUAdam's default is 0, the others' 0.01)
 MAX_GRAD_NORM = 1.0
 HIDDEN = 1024
 INTERMEDIATE = 2816
@@ -119,16 +120,16 @@ def build_variants(shapes: list[tuple[int, ...]]) -> list[Variant]:
         gc.collect()
 
     print(f"lazytrain kernel: {'C++' if kernel_cpp.load() is not None else 'pure torch (' + str(kernel_cpp.unavailable_reason()) + ')'}", flush=True)
-    add("lazytrain AdamW8bit", lambda p: AdamW8bit(p, lr=LR, max_grad_norm=MAX_GRAD_NORM), "internal")
-    add("lazytrain AdamW8bit", lambda p: AdamW8bit(p, lr=LR), "none")
-    add("torch AdamW(fused=True)", lambda p: torch.optim.AdamW(p, lr=LR, fused=True), "torch")
-    add("torch AdamW(fused=True)", lambda p: torch.optim.AdamW(p, lr=LR, fused=True), "none")
+    add("lazytrain AdamW8bit", lambda p: AdamW8bit(p, lr=LR, weight_decay=WD, max_grad_norm=MAX_GRAD_NORM), "internal")
+    add("lazytrain AdamW8bit", lambda p: AdamW8bit(p, lr=LR, weight_decay=WD), "none")
+    add("torch AdamW(fused=True)", lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=WD, fused=True), "torch")
+    add("torch AdamW(fused=True)", lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=WD, fused=True), "none")
 
     def deepspeed_cpu_adam(p):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/lazytrain/torch_extensions"))
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(p, lr=LR, adamw_mode=True)
+        return DeepSpeedCPUAdam(p, lr=LR, weight_decay=WD, adamw_mode=True)
 
     add("DeepSpeedCPUAdam", deepspeed_cpu_adam, "torch")
     add("DeepSpeedCPUAdam", deepspeed_cpu_adam, "none")
@@ -136,7 +137,7 @@ def build_variants(shapes: list[tuple[int, ...]]) -> list[Variant]:
     def bnb_adamw8bit(p):
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(p, lr=LR)
+        return bnb.optim.AdamW8bit(p, lr=LR, weight_decay=WD)
 
     add("bitsandbytes AdamW8bit", bnb_adamw8bit, "torch")
     add("bitsandbytes AdamW8bit", bnb_adamw8bit, "none")
@@ -144,7 +145,7 @@ def build_variants(shapes: list[tuple[int, ...]]) -> list[Variant]:
     def torchao_adamw8bit(p):
         from torchao.optim import AdamW8bit as AoAdamW8bit
 
-        return AoAdamW8bit(p, lr=LR)
+        return AoAdamW8bit(p, lr=LR, weight_decay=WD)
 
     add("torchao AdamW8bit", torchao_adamw8bit, "torch")
     add("torchao AdamW8bit", torchao_adamw8bit, "none")

@@ -329,11 +329,13 @@ def main() -> int:
             limit = a.mem_limit_gib * GiB
 
             def extrapolate(b0: int, r0: float, k: float) -> int:
-                if r0 > limit:
+                if r0 > limit:   # (the larger probe is over: from the smaller one, not 0: review)
+                    if b0 != lo and r1 <= limit and k > 0:
+                        return lo + int((limit - r1) // k)
                     return 0
                 return a.max_batch_cap if k <= 0 else min(a.max_batch_cap, b0 + int((limit - r0) // k))
             est = extrapolate(a.probe_batch, r2, slope)
-            probes[e] = {"rss_b1": r1, "slope": slope, "estimate": est}
+            probes[e] = {"rss_b1": r1, "slope": slope, "estimate": est, "capped": est >= a.max_batch_cap}
             # run the estimate; if it does not fit, refit the slope through that run and retry once
             for attempt in range(2 if a.verify_max_batch else 0):
                 if est < 1:
@@ -379,7 +381,8 @@ def print_table(a: argparse.Namespace, rows: dict[str, dict], probes: dict[str, 
         mb = "-"
         q = probes.get(e)
         if q:
-            mb = str(q["estimate"])
+            # (the search's cap is a lower bound, not the largest batch: it was printed as one)
+            mb = (">= " if q.get("capped") else "") + str(q["estimate"])
             if "verified_rss" in q:
                 if q.get("verify_error"):
                     mb += " (run failed)"

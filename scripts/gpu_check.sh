@@ -138,3 +138,8 @@ if [ -n "${OUT:-}" ]; then   # (traces and metrics only: the run dirs also hold 
   tar czf "$OUT/gpu_check.tgz" -C "$OUTDIR" . -C "$RUNS" $(cd "$RUNS" && ls -d lt-*/trace.jsonl lt-*/metrics.jsonl 2>/dev/null) \
     && echo "logs and traces: \$OUT/gpu_check.tgz"
 fi
+# the exit status says whether every step passed (it was always 0: a caller reading rc saw success)
+failed=0
+for rc in "$status_tests" "$status_bench" "$status_prof"; do [ "$rc" -eq 0 ] || failed=1; done
+grep -q "rc=[1-9]" "$OUTDIR/status.txt" 2>/dev/null && failed=1
+exit $failed

@@ -286,3 +286,22 @@ def test_unmatched_lora_target_warned_once_per_plan(caplog):
     with caplog.at_level(logging.WARNING):   # another spec (another command) is told again
         job_costs(_specs([])[0], h, job)
     assert caplog.text.count("['foo'] match no linear layer") == 1
+
+
+def test_the_memory_audit_script_plans_are_all_predictable():
+    """scripts/audit_memory_model.py's default plans (the exactness families, with recompute
+    segments kept off the embedding and the head, which the cost model refuses) all have a
+    predicted peak: its default run crashed on them (review)."""
+    import importlib.util
+    import pathlib
+
+    from lazytrain.runtime.testing import hand_plan, planned_device_peak, tiny_model
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "audit_memory_model.py"
+    spec = importlib.util.spec_from_file_location("audit_memory_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = tiny_model("llama")
+    for name in mod.PLANS:
+        plan = hand_plan(3, **mod.audit_plan_kwargs(3, name))
+        assert planned_device_peak(model, plan) > 0, name
