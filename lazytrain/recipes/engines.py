@@ -158,11 +158,11 @@ class TorchEngine:
         if scaler is not None:
             scaler.step(self.opt)   # skips an overflowed step itself
             scaler.update()
+            skipped = float(scaler.get_scale()) < scale_used   # backed off: it overflowed
             from ..runtime.loss_scale import MIN_SCALE
 
-            if float(scaler.get_scale()) < MIN_SCALE:   # (as the executor's: runtime.loss_scale)
-                scaler.update(MIN_SCALE)
-            skipped = float(scaler.get_scale()) < scale_used   # backed off: it overflowed
+            if float(scaler.get_scale()) < MIN_SCALE:   # (as the executor's: runtime.loss_scale;
+                scaler.update(MIN_SCALE)                 # after `skipped`, which the floor would hide)
         elif not skipped:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)

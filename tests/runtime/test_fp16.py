@@ -293,3 +293,26 @@ def test_8bit_update_with_1_over_the_scale_folded_in_is_the_unscaled_update(loss
     assert torch.equal(runs[0][0], runs[1][0])
     for k in runs[0][1]:
         assert torch.equal(runs[0][1][k], runs[1][1][k]), k
+
+
+def test_at_the_scale_floor_an_overflowed_step_still_reports_skipped():
+    """A model whose fp16 forward overflows at every scale: both engines stay at 2**-126 and report
+    every step skipped (engine=torch's skip was read from a back-off the floor undoes)."""
+    from lazytrain.recipes.engines import TorchEngine
+
+    base = tiny_model("llama")
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if "mlp" in n:
+                p.mul_(1e4)
+    eng = TorchEngine(copy.deepcopy(base), device=torch.device("cpu"), compute_dtype=torch.float16, lr=1e-3,
+                      betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+                      loss_scale=(2.0 ** -125, 2000))
+    ex = StreamingExecutor(base.half(), hand_plan(3), device="cpu", lr=1e-3, max_grad_norm=1.0,
+                           loss_scale=DynamicLossScale(scale=2.0 ** -125))
+    for s in range(3):
+        mbs = random_batches(1, seed=s)
+        a, b = eng.train_step(mbs), ex.train_step(mbs)
+        assert a.skipped and b.skipped, s
+    assert float(eng.scaler.get_scale()) == ex.loss_scale.scale == 2.0 ** -126
+    ex.close()
