@@ -19,12 +19,6 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "vocab_size", "intermediate_size")
-# transformers' defaults for the keys a family's config.json may leave out (its config class's
-# field defaults), so the plan is for the model transformers builds from the same file (a review
-# found a Qwen3 without head_dim planned at 64 where transformers uses 128: a device peak 17% above
-# the plan; Qwen3-30B-A3B without num_experts planned dense). None: derived in the class's
-# __post_init__ (kv heads = heads, head_dim = hidden // heads), as the readers below do.
-# tests/spec/test_family_defaults.py checks the table against transformers' classes.
 # Families whose routed experts PEFT's LoRA wraps (3-D weights, by MLP target names; peft 0.21)
 PEFT_WRAPS_EXPERTS = ("qwen3_moe", "olmoe")
 # The keys each MoE family's transformers config takes its expert count from, the first set one
@@ -35,6 +29,12 @@ EXPERT_COUNT_KEYS = {"mixtral": ("num_experts", "num_local_experts"), "qwen2_moe
                      "qwen3_moe": ("num_local_experts", "num_experts"),
                      "olmoe": ("num_local_experts", "num_experts")}
 EXPERT_COUNT_DEFAULT = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128, "olmoe": 64}
+# transformers' defaults for the keys a family's config.json may leave out (its config class's
+# field defaults), so the plan is for the model transformers builds from the same file (a review
+# found a Qwen3 without head_dim planned at 64 where transformers uses 128: a device peak 17% above
+# the plan; Qwen3-30B-A3B without num_experts planned dense). None: derived in the class's
+# __post_init__ (kv heads = heads, head_dim = hidden // heads), as the readers below do.
+# tests/spec/test_family_defaults.py checks the table against transformers' classes.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
     "mistral": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=131072, sliding_window=4096),
