@@ -1049,7 +1049,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run, metrics.earlier)
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
-                    "dataset_tokens": ds.num_tokens, "max_steps": max_steps})
+                    "dataset_tokens": ds.num_tokens, "max_steps": max_steps,
+                    "device": "cuda" if pre.hardware.device_type == "cuda" and torch.cuda.is_available() else "cpu"})
     if pre.eval_dataset is not None:
         summary["eval_sequences"] = len(pre.eval_dataset)
         summary["eval_sequences_used"] = len(pre.eval_dataset) if eval_limit is None else \
@@ -1212,6 +1213,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "
         f"{_fmt_bytes(s['predicted_device_peak_bytes'])}, measured {_fmt_bytes(s['measured_device_peak_bytes'])}"
         + ("" if s.get("engine", "lazytrain") == "lazytrain" else
-           f"  (predicted: lazytrain's plan; this run used engine={s['engine']}, which does not follow it)"),
+           f"  (predicted: lazytrain's plan; this run used engine={s['engine']}, which does not follow it"
+           + ("; measured: the process's peak RSS, its CPU has no device memory of its own"
+              if s.get("device") == "cpu" else "") + ")"),
         f"outputs: {s.get('output_dir')}" + (f"  (final model: {s['final_dir']})" if s.get("final_dir") else ""),
     ])
