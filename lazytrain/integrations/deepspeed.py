@@ -128,6 +128,18 @@ def apply_recompute(model: torch.nn.Module, recompute_blocks: Sequence[int]) -> 
     return len(wanted)
 
 
+def _fp16_loss_scale(engine) -> float | None:
+    """DeepSpeed's current fp16 loss scale (its fp16 and ZeRO optimizers keep it as `cur_scale`);
+    None without fp16 (metrics.jsonl logs it as the other engines' `loss_scale`)."""
+    try:
+        if not engine.fp16_enabled():
+            return None
+        scale = getattr(engine.optimizer, "cur_scale", None)
+        return None if scale is None else float(scale)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class DeepSpeedStepResult:
     """One optimizer step; the same fields the streaming executor's StepResult reports."""
@@ -137,6 +149,7 @@ class DeepSpeedStepResult:
     step_time_s: float
     device_peak_bytes: int      # CUDA: max allocated; CPU: the process's peak RSS
     tokens: int
+    loss_scale: float | None = None   # fp16: DeepSpeed's dynamic loss scale this step's backward ran with
 
     def __float__(self) -> float:
         return self.loss
@@ -204,6 +217,7 @@ class DeepSpeedTrainer:
             torch.cuda.reset_peak_memory_stats()
         self.engine.train()
         dev = self.engine.device
+        scale = _fp16_loss_scale(self.engine)   # (before the step: an overflow backs it off)
         total, tokens = 0.0, 0
         for k, (x, y) in enumerate(micro_batches):
             out = self.engine(input_ids=x.to(dev), labels=y.to(dev))
@@ -219,7 +233,7 @@ class DeepSpeedTrainer:
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         return DeepSpeedStepResult(loss=total / gas, grad_norm=gn, skipped=skipped,
                                    step_time_s=time.perf_counter() - t0, device_peak_bytes=int(peak),
-                                   tokens=tokens)
+                                   tokens=tokens, loss_scale=scale)
 
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """The model's mean language-model loss on one batch, no gradients, eval mode. Every rank

@@ -186,3 +186,52 @@ def test_swap_buffer_figures_skip_values_deepspeed_must_refuse_and_a_tied_head()
                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
     spec = ModelSpec.from_hf_config(qwen)
     assert sum(_trainable_sizes(make_plan(qwen), spec)) == sum(layer.param_count for layer in spec.layers)
+
+
+def test_deepspeed_steps_report_its_fp16_loss_scale():
+    """engine=deepspeed's metrics had no loss_scale under fp16 (review): the step reports DeepSpeed's
+    own scale as it was for the step's backward (read before the step, which may back it off)."""
+    import types
+
+    import torch
+
+    from lazytrain.integrations.deepspeed import DeepSpeedTrainer, _fp16_loss_scale
+
+    class Opt:
+        cur_scale = 65536.0
+
+    class Engine:
+        device = torch.device("cpu")
+        optimizer = Opt()
+
+        def __init__(self, fp16):
+            self.fp16 = fp16
+
+        def fp16_enabled(self):
+            return self.fp16
+
+        def gradient_accumulation_steps(self):
+            return 1
+
+        def train(self):
+            pass
+
+        def __call__(self, input_ids, labels):
+            return types.SimpleNamespace(loss=torch.tensor(2.0))
+
+        def backward(self, loss):
+            pass
+
+        def step(self):
+            self.optimizer.cur_scale /= 2   # an overflow: DeepSpeed backs off
+
+        def get_global_grad_norm(self):
+            return float("inf")
+
+        def was_step_applied(self):
+            return False
+
+    assert _fp16_loss_scale(Engine(False)) is None
+    fake = types.SimpleNamespace(engine=Engine(True), _cuda=False)
+    res = DeepSpeedTrainer.train_step(fake, [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))])
+    assert res.loss_scale == 65536.0 and res.skipped
