@@ -9,9 +9,9 @@ Each case is a small randomly initialised HF model (hidden 256, 3 blocks; MoE: 1
 each family (`lazytrain.runtime.testing.plan_families`), at batch 2 x each sequence length. The
 prediction is `plan.simulate.memory_peaks` for the same plan: the number the MILP constrains.
 "measured > predicted" is the dangerous direction (a plan that does not fit); the table marks it.
-Plans that put the head in a recompute segment (`recompute_all`, `mixed_segments` here) are not
-shapes the planner emits; its model does not cover the head inside a segment. The table is printed
-last.
+`recompute_all` and `mixed_segments` keep their recompute segments on blocks here (the families'
+versions put the embedding or head in one, which the planner never emits and its model refuses to
+predict); at 3 blocks `mixed_segments` is one one-block segment. The table is printed last.
 """
 
 from __future__ import annotations

@@ -343,11 +343,14 @@ def main() -> int:
                 pp, dp, _, pend = prepare(a, e, est, tmp, frugal=True)
                 v = ({"error": pend} if pend else run_worker(a, e, est, pp, dp, steps=1, warmup=0))
                 print(f"[{e}] verify batch {est}: {json.dumps(v)}", flush=True)
-                probes[e].update(estimate=est, verified_rss=v.get("peak_rss_bytes"), verify_error=v.get("error"))
+                probes[e].update(estimate=est, verified_rss=v.get("peak_rss_bytes"), verify_error=v.get("error"),
+                                 capped=est >= a.max_batch_cap)
                 rv = v.get("peak_rss_bytes")
                 if v.get("error") or rv is None or rv <= limit or attempt == 1:
                     break
-                est = min(est - 1, extrapolate(a.probe_batch, r2, (rv - r2) / max(1, est - a.probe_batch)))
+                # refit through the verified run and the nearer probe (below the larger probe: the smaller)
+                b0, r0 = (a.probe_batch, r2) if est > a.probe_batch else (lo, r1)
+                est = min(est - 1, extrapolate(b0, r0, (rv - r0) / max(1, est - b0)))
     print_table(a, rows, probes)
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs; above that, "
           f"other processes shared the cores and absolute times are inflated)")

@@ -620,6 +620,11 @@ def _data_hints(cfg: DictConfig, pre: Preflight) -> str:
     if not cfg.data.get("messages_field") and str(add).lower() == "auto" and bos_for(pre.tokenizer, "auto") is not None:
         hints.append("data.add_bos=auto puts a BOS before each document (runs started before 2026-12-01 "
                      "had none: resume those with data.add_bos=false)")
+    if cfg.data.get("builtin") and not data_files(cfg.data):
+        corpus = Path(str(cfg.data.cache_dir)).expanduser() / "corpus"
+        hints.append(f"the built-in data is {corpus / 'train.jsonl'}, a document per row, since 2026-12-01; "
+                     f"runs started before trained on one text file: resume those with "
+                     f"data.files=[{corpus / 'train.txt'}]")
     return f" ({'; '.join(hints)})" if hints else ""
 
 
@@ -884,8 +889,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         held = final_step(out / "final")
         if held is None and (out / "final").exists():
             # written before the step was recorded: current when the run's summary (written after
-            # final/) ends at this step; an extended run killed while saving left the older one
-            held = _summary_end(out / "summary.json")
+            # final/) ends at this step having written it; an extended run killed while saving, or
+            # one run with save_final_model=false, left the older one
+            held = _summary_end(out / "summary.json", wrote_final=True)
         refinish = done == max_steps and cfg.save_final_model and held != done
         if done >= min(max_steps, stop_at) and not refinish:
             # Nothing to train (e.g. a finished run resumed again): its outputs stay as they are,
@@ -1118,10 +1124,12 @@ def final_step(final_dir: Path) -> int | None:
         return None
 
 
-def _summary_end(path: Path) -> int | None:
+def _summary_end(path: Path, wrote_final: bool = False) -> int | None:
+    """The step a run's summary.json ends at (`wrote_final`: only if that run wrote final/)."""
     try:
-        return int(json.loads(path.read_text())["end_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        s = json.loads(path.read_text())
+        return None if wrote_final and not s.get("final_dir") else int(s["end_step"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

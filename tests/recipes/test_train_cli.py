@@ -831,13 +831,12 @@ def test_a_final_model_written_before_the_step_was_recorded_is_kept(base_overrid
     rc, io = _main([*base_overrides, "job.max_steps=2", "resume=true", f"output_dir={out}"], capsys)
     assert rc == 0 and "no steps run" in io.out, io.out
     assert (out / "final" / "my_eval.txt").read_text() == "mine"
-    # ... unless the run's summary (written after final/) ends elsewhere: an extended run killed
-    # while writing its final model (here: one that did not write it) left the older one
+    # ... unless the run's summary (written after final/) does not end there having written it: an
+    # extended run killed while writing its final model, or run with save_final_model=false (a
+    # review found the stale one kept then), left the older one
     rc, io = _main([*base_overrides, "job.max_steps=3", "resume=true", "save_final_model=false",
                     f"output_dir={out}"], capsys)
     assert rc == 0, io.err
-    summary = json.loads((out / "summary.json").read_text())
-    (out / "summary.json").write_text(json.dumps({**summary, "end_step": 2}))   # (the kill came first)
     rc, io = _main([*base_overrides, "job.max_steps=3", "resume=true", "save_final_model=true",
                     f"output_dir={out}"], capsys)
     assert rc == 0, io.err
@@ -852,3 +851,19 @@ def test_the_summary_says_what_a_cpu_peak_of_engine_torch_is(base_overrides, tmp
     assert rc == 0, io.err
     assert "measured: the process's peak RSS" in io.out
     assert json.loads((out / "summary.json").read_text())["device"] == "cpu"
+
+
+
+def test_a_demo_run_started_before_the_jsonl_corpus_is_told_how_to_resume(tmp_path):
+    """The built-in data became train.jsonl (a row per document): a demo run started on train.txt
+    could not resume and the error did not say why (review); the hint names the file to resume with."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from lazytrain.recipes.train import _data_hints
+
+    cfg = OmegaConf.create({"data": {"builtin": "pydoc-corpus", "files": [], "cache_dir": str(tmp_path / "c"),
+                                     "add_bos": "false"}})
+    hint = _data_hints(cfg, SimpleNamespace(tokenizer=None))
+    assert f"resume those with data.files=[{tmp_path / 'c' / 'corpus' / 'train.txt'}]" in hint
