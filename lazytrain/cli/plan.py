@@ -190,7 +190,8 @@ def cmd_compare(args: list[str]) -> int:
             if plan.solver.fell_back:
                 why.append(f"{method}: {plan.solver.status_detail}")
         else:
-            rows.append((method, "-", "-", "-", "no"))
+            # a time limit proves nothing: unknown, not "no" (review; as plan max-batch says it)
+            rows.append((method, "-", "-", "-", "? (time limit)" if plan.status == "timeout" else "no"))
             # whole, below the table (cut to the column, the amounts it names were lost)
             why.append(f"{method}: " + (plan.explanation[0].split(": ", 1)[-1] if plan.explanation
                                          else "infeasible"))
@@ -198,8 +199,8 @@ def cmd_compare(args: list[str]) -> int:
            ("method", "step s", "tokens/s", "device GiB", "fits"), rows)
     for line in why:
         print(line)
-    # exit 2 when no method fits, as plan and plan max-batch do
-    return 0 if any(r[-1] == "yes" for r in rows) else 2
+    # exit 2 when no method fits, as plan and plan max-batch do (not when a time limit left it open)
+    return 0 if any(r[-1] != "no" for r in rows) else 2
 
 
 def _fallback_name(plan) -> str:
@@ -243,6 +244,12 @@ def cmd_max_batch(args: list[str]) -> int:
                ("micro-batch", "grad_accum", "step s", "tokens/s"),
                [(str(b), str(g), f"{p.predicted.step_time_s:.4g}", f"{p.predicted.tokens_per_s:,.0f}")
                 for b, g, p in splits])
+    if not best["milp"] and not cut_short:   # (the table alone said 0 without a reason: review)
+        one = plan_job(model, hw, replace(job, batch_size=1), opts, cache_dir=cache_dir, use_cache=use_cache)
+        if one.explanation:
+            print(f"batch 1 does not fit either: {one.explanation[0]}")
+            for line in one.explanation[1:]:
+                print(f"  {line}")
     return 0 if best["milp"] or cut_short else 2   # (unknown is not "does not fit")
 
 

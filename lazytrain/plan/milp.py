@@ -44,6 +44,7 @@ from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_bl
 # 28.77 s, each within 3 s; 8B plans were optimal already (their re-solves take 0.1-0.3 s).
 FREE_RESOLVE_S = 3.0
 FREE_RESOLVE_NODES = 50
+POLISH_MIN_S = 5.0   # the final LP's time allowance at least (it solves in well under 1 s)
 
 
 @dataclass(frozen=True)
@@ -494,8 +495,17 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
         slots = [int(round(pulp.value(fetched_bytes(j)) or 0)) for j in range(N)]
         narrow = streaming_reserve(slots, L, depth, costs.caches_stream_buffers) < depth * max(slots, default=0)
         wide.bounds(0 if narrow else 1, 0 if narrow else 1)
+        # An LP now (every integer fixed): its own time allowance, and the MIP's values kept if it
+        # does not solve (a tiny planner.time_limit_s cut it off, every value read back empty, and
+        # the plan came out as "segments end at boundary 0": review)
+        incumbent = {v.name: v.varValue for v in prob.variables()}
+        mip_code = prob.status
         with _quiet_stdout():
-            prob.solve(make_solver(solver, time_limit_s, mip_gap, presolve=False)[0])
+            prob.solve(make_solver(solver, max(time_limit_s, POLISH_MIN_S), mip_gap, presolve=False)[0])
+        if prob.status != pulp.LpStatusOptimal or any(v.varValue is None for v in prob.variables()):
+            for v in prob.variables():
+                v.varValue = incumbent[v.name]
+            prob.status = mip_code
         prob.sol_status = mip_status  # report the MIP's status (optimal vs feasible), not the LP's
     wall = time.perf_counter() - t0
     status = pulp.LpStatus[prob.status]

@@ -40,6 +40,8 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     ax_g.set_xlabel("seconds")
     fig.tight_layout()
     out = Path(path)
+    if not out.suffix:   # (matplotlib writes a PNG and adds .png: the path said was another file)
+        out = out.with_name(out.name + ".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

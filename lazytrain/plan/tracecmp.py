@@ -142,6 +142,17 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
             events = [e for e in events if e["step"] < 0 or e["step"] in done]
         if not done:
             raise ValueError(f"{trace_path} has no completed step (metrics.jsonl has none of its steps)")
+        # A skipped step (a non-finite norm: fp16's overflows) ran no update: its optimizer lanes
+        # counted 0 s in the medians (review); left out like an interrupted one, when any step updated
+        skipped = {s for s in done if by_step[s + 1].get("skipped") is True}
+        if skipped and skipped != done:
+            done -= skipped
+            events = [e for e in events if e["step"] < 0 or e["step"] in done]
+            notes.append(f"{len(skipped)} skipped step(s) (non-finite gradients: fp16 loss-scale "
+                         f"overflows, or clipping) left out: {', '.join(str(s + 1) for s in sorted(skipped))}")
+        elif skipped:
+            notes.append("every step was skipped (non-finite gradients): none ran the update the plan "
+                         "times, so the optimizer and the step time are not comparable")
     m_s, m_b, steps = measured_busy(events)
     p_s, p_b, p_step = predicted_busy(plan, with_what)
     keys = [_key(k, w) for k in KINDS for w in WHATS if w == "" or k in TRANSFERS]

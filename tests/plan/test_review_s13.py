@@ -305,3 +305,54 @@ def test_the_memory_audit_script_plans_are_all_predictable():
     for name in mod.PLANS:
         plan = hand_plan(3, **mod.audit_plan_kwargs(3, name))
         assert planned_device_peak(model, plan) > 0, name
+
+
+def test_a_polish_lp_cut_off_by_the_time_limit_keeps_the_mips_plan(monkeypatch):
+    """After the MIP, an LP with the integers fixed tidies the continuous values; a time limit that
+    stopped it (planner.time_limit_s=0.01 on a loaded machine) left every value empty and the plan
+    failed as 'segments end at boundary 0' (review). The MIP's values are kept then."""
+    from lazytrain.plan import milp
+
+    model, h, job, options = _specs([])
+    ref = solve_milp(job_costs(model, h, job), h, depth=2)
+    orig = milp.make_solver
+
+    def cut_off(name, time_limit_s, mip_gap, presolve=True, start=None):
+        if not presolve and start is None:   # the polish LP
+            time_limit_s = 1e-9
+        return orig(name, time_limit_s, mip_gap, presolve=presolve, start=start)
+    monkeypatch.setattr(milp, "make_solver", cut_off)
+    monkeypatch.setattr(milp, "POLISH_MIN_S", 0.0)
+    got = solve_milp(job_costs(model, h, job), h, depth=2)
+    assert got.assignment is not None and got.objective_s is not None
+    assert abs(got.objective_s - ref.objective_s) <= 0.02 * ref.objective_s
+
+
+def test_compare_marks_a_timed_out_method_unknown_and_plot_names_its_file(tmp_path, capsys, monkeypatch):
+    """plan compare called methods a time limit stopped 'fits: no' (and would exit 2); --plot PATH
+    without an extension said it wrote PATH where matplotlib wrote PATH.png (review)."""
+    import dataclasses
+
+    import lazytrain.plan as plan_mod
+
+    real = plan_mod.plan_job
+
+    def timed_out(*a, method="milp", **k):
+        p = real(*a, method=method, **k)
+        return p if method == "milp" else dataclasses.replace(p, status="timeout")
+    rc, out, err = _cli(["planner.cache=false", "hardware.device_memory_gib=0.0001", "hardware.workspace_gib=0"], capsys)
+    assert rc == 2   # (this budget fits no plan: the MILP's "no" stays a no)
+    monkeypatch.setattr(plan_mod, "plan_job", timed_out)
+    rc, out, err = _cli(["compare", "planner.cache=false", "hardware.device_memory_gib=0.0001",
+                         "hardware.workspace_gib=0"], capsys)
+    assert "? (time limit)" in out and rc == 0, out + err
+    monkeypatch.setattr(plan_mod, "plan_job", real)
+    rc, out, err = _cli(["planner.cache=false", "--plot", str(tmp_path / "myplot")], capsys)
+    assert rc == 0 and (tmp_path / "myplot.png").is_file() and f"{tmp_path / 'myplot.png'}" in out, out + err
+
+
+def test_max_batch_says_why_when_batch_1_does_not_fit(capsys):
+    """A table of zeros and exit 2 gave no reason (review): the planner's explanation follows."""
+    rc, out, err = _cli(["max-batch", "planner.cache=false", "hardware.device_memory_gib=0.0001",
+                         "hardware.workspace_gib=0"], capsys)
+    assert rc == 2 and "batch 1 does not fit either: " in out, out + err

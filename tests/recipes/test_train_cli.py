@@ -867,3 +867,23 @@ def test_a_demo_run_started_before_the_jsonl_corpus_is_told_how_to_resume(tmp_pa
                                      "add_bos": "false"}})
     hint = _data_hints(cfg, SimpleNamespace(tokenizer=None))
     assert f"resume those with data.files=[{tmp_path / 'c' / 'corpus' / 'train.txt'}]" in hint
+
+
+def test_plan_trace_leaves_out_skipped_steps(base_overrides, tmp_path, capsys):
+    """fp16 runs skip the steps whose gradients overflow: plan trace counted them, their optimizer
+    lanes at 0 s, in its medians (review). They are left out, with a note."""
+    from lazytrain.cli import plan as plan_cli
+
+    out = tmp_path / "run"
+    rc, io = _main([*base_overrides, "engine=lazytrain", "job.compute_dtype=fp16", "optim.loss_scale=8388608",
+                    "job.max_steps=8", f"output_dir={out}"], capsys)
+    assert rc == 0, io.err
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in recs if r["skipped"]]
+    assert skipped and len(skipped) < len(recs)
+    assert plan_cli.main(["trace", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"{len(skipped)} skipped step(s)" in text and ", ".join(map(str, skipped)) in text
+    cells = next(c for c in ([x.strip() for x in line.split("│")] for line in text.splitlines())
+                 if len(c) > 3 and c[1] == "optimizer")
+    assert float(cells[3]) > 0, cells   # (the skipped steps' 0 s were its median)
