@@ -268,8 +268,11 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         if (full and model.tie_word_embeddings) else 0,
         host_capacity_bytes=hw.host_capacity_bytes,   # (a CPU device's budget comes out of it)
         device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
-        trains_base=full, clip_grad=job.clip_grad,
+        # updates wait for the global norm with clipping, and always under fp16 (its overflow check:
+        # runtime.executor's _deferred)
+        trains_base=full, clip_grad=job.clip_grad or job.compute_dtype == "fp16",
         direct_grads=(full and hw.device_type == "cpu" and job.grad_accum == 1 and not job.clip_grad
+                      and job.compute_dtype != "fp16"
                       and job.master_dtype == job.compute_dtype and job.master_bytes < 4),
         grads_inline=hw.copies_share_compute,
         caches_stream_buffers=hw.device_type == "cpu",

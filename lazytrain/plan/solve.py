@@ -301,9 +301,10 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
         lines.append(f"optimizer state ({optimizer_state_label(plan.job)}): "
                      + ", ".join(f"{n} on {t}" for t, n in sorted(ot.items())))
         serial = tl.serial_optimizer_s > 0   # hardware.optimizer_overlaps_compute false (a CPU device)
-        lines.append(("updates wait for the clipping norm: they run after the backward, "
+        lines.append(("updates wait for the global norm: they run after the backward, "
                       + ("on the cores that compute (not overlapped)" if serial else "overlapping the next forward")
-                      + " (job.clip_grad)") if costs.clip_grad else
+                      + (" (job.clip_grad)" if plan.job.clip_grad else " (fp16's overflow check)"))
+                     if costs.clip_grad else
                      "updates follow each layer's backward (no clipping: job.clip_grad=false)"
                      + ("; they take the cores that compute (not overlapped)" if serial else ""))
     # what bounds the step: sum of time per resource over the step

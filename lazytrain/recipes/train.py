@@ -94,9 +94,9 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
     """(JobSpec, max_steps): `job.max_steps` is the recipe's, the rest is the planner's JobSpec."""
     d = OmegaConf.to_container(cfg.job, resolve=True)
     max_steps = d.pop("max_steps", None)
-    if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping; fp16's
-        # overflow check waits for the global norm too (runtime.executor: _deferred)
-        d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None or d.get("compute_dtype") in ("fp16", "float16")
+    if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping (and
+        # fp16's overflow check: costmodel.job_costs)
+        d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         # (int() took 2.7 as 2 steps without a word, and 'abc' with a traceback)
         raise ConfigError(f"job.max_steps must be a whole number >= 1, got {max_steps!r}")
@@ -712,11 +712,11 @@ class MetricsLog:
             self.tb.close()
 
 
-def keep_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
+def keep_rows(path: Path, last_step: int, rows: bool = True) -> list[dict[str, Any]]:
     """Keep the rows of JSONL `path` up to step `last_step` (a resume's checkpoint; 0: none) and
-    return them: those of later steps, which a killed run wrote past its last checkpoint, are run
-    again."""
-    return keep_jsonl_rows(path, lambda rec: rec["step"] <= last_step)
+    return them (`rows=False`: none): those of later steps, which a killed run wrote past its last
+    checkpoint, are run again."""
+    return keep_jsonl_rows(path, lambda rec: rec["step"] <= last_step, rows=rows)
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -960,7 +960,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     metrics = MetricsLog(out, start_step) if ranks.main else _NullMetrics()
     trace_f = None
     if cfg.engine != "lazytrain" and ranks.main:
-        keep_jsonl_rows(out / "trace.jsonl", lambda rec: rec["step"] <= start_step, rows=False)   # as metrics.jsonl
+        keep_rows(out / "trace.jsonl", start_step, rows=False)   # as metrics.jsonl (steps numbered alike)
         trace_f = open(out / "trace.jsonl", "a")
     bar = _progress(max_steps, start_step, bool(cfg.progress) and ranks.main)
     history: list[StepStats] = []
