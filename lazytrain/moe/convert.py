@@ -56,7 +56,16 @@ def _check_rebuilt_buffers(model: nn.Module) -> None:
     outputs would differ from this model's. `model.to(torch.bfloat16)` does that: it rounds
     inv_freq to bf16, which transformers keeps fp32 (a review measured logits 0.015 apart)."""
     for name, m in model.named_modules():
-        bufs = [(b, t) for b in sorted(getattr(m, "_non_persistent_buffers_set", ()))
+        names = set(getattr(m, "_non_persistent_buffers_set", ()))
+        # Dynamic and long RoPE rewrite `inv_freq` in a forward past the trained length (transformers'
+        # dynamic_rope_update): it depends on the sequences the model has run, not on its weights.
+        # Their `original_inv_freq` is what the module builds from the config, and is compared instead.
+        rope = getattr(m, "rope_type", None)
+        if any("dynamic" in r or r == "longrope" for r in (rope.values() if isinstance(rope, dict) else [rope])
+               if isinstance(r, str)):
+            names = {b for b in names if not (b.endswith("inv_freq") and not b.endswith("original_inv_freq")
+                                              and b.removesuffix("inv_freq") + "original_inv_freq" in names)}
+        bufs = [(b, t) for b in sorted(names)
                 if isinstance(t := getattr(m, b, None), torch.Tensor) and t.is_floating_point() and not t.is_meta]
         if not bufs or not hasattr(m, "config"):
             continue

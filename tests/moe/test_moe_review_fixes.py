@@ -582,3 +582,29 @@ def test_convert_model_refuses_a_model_whose_rotary_buffer_was_cast(tiny_moe, tm
         assert torch.equal(eng.model(ids).logits, loaded(ids).logits)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "linear", "factor": 2.0}])
+def test_convert_model_after_a_long_forward_with_dynamic_rope(tiny_moe, tmp_path, rope):
+    """Dynamic NTK RoPE rewrites its inv_freq in a forward longer than max_position_embeddings
+    (transformers' dynamic_rope_update): a model that ran one was refused as if cast with
+    model.to(dtype) until 2026-12-01. Its original_inv_freq is what the module builds from the
+    config, so that is what is compared; a cast is still caught through it, and the streamed model
+    (a fresh rotary module, as from_pretrained gives) matches the model reloaded from its weights."""
+    from lazytrain.moe import StoreError, convert_model
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_moe("mixtral", head_dim=16, max_position_embeddings=16, rope_parameters={**rope, "rope_theta": 10000.0})
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 40)))        # longer than max_position_embeddings
+    convert_model(model, tmp_path / "store")
+    model.save_pretrained(tmp_path / "hf")
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    eng = load_streamed(tmp_path / "store")
+    try:
+        ids = torch.tensor([PROMPT])
+        assert torch.equal(eng.model(ids).logits, fresh(ids).logits)
+    finally:
+        eng.close()
+    with pytest.raises(StoreError, match=r"rotary_emb.(original_)?inv_freq is bfloat16 where its module builds it float32"):
+        convert_model(model.to(torch.bfloat16), tmp_path / "cast")
