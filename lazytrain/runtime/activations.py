@@ -99,19 +99,23 @@ class ActivationStore:
         `param_layers`: the layers whose weight buffers `layer` computes with (default: its own;
         a tied head also uses the embedding's), whose views are saved as placeholders."""
         la = self.layers.setdefault(layer, _LayerActs())
-        owns = {}   # storage ptr -> (layer, its typed flat buffer)
+        # storage ptr -> (layer, its typed flat buffer's data pointer and dtype). Not the buffer
+        # itself: autograd keeps this closure as long as the layer's saved tensors, and a streamed
+        # buffer the streamer dropped (and uncounted) stayed alive through it until the layer's
+        # backward, memory over the budget that nothing counted (review, 2026-12-01: +22%).
+        owns: dict[int, tuple[int, int, torch.dtype]] = {}
         for j in (layer,) if param_layers is None else param_layers:
             buf = param_buf(j)
             if buf is not None:
-                owns[buf.untyped_storage().data_ptr()] = (j, buf)
+                owns[buf.untyped_storage().data_ptr()] = (j, buf.data_ptr(), buf.dtype)
 
         def pack(t: torch.Tensor):
             sp = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
             hit = owns.get(sp)
-            if hit is not None and t.dtype == hit[1].dtype:
+            if hit is not None and t.dtype == hit[2]:
                 # A view of streamed weights: remember whose and where, not what.
-                j, own = hit
-                off = (t.data_ptr() - own.data_ptr()) // t.element_size()
+                j, own_ptr, _ = hit
+                off = (t.data_ptr() - own_ptr) // t.element_size()
                 return ("param", j, tuple(t.shape), tuple(t.stride()), off)
             if sp in self.resident_ptrs or t.numel() == 0:
                 return ("keep", t)

@@ -198,6 +198,7 @@ class ParamStreamer:
             old = bufs.pop()
             self._pool_bytes -= old.numel()
             self.acct.free(old.numel(), "params_streamed")
+            del old   # gone before the new buffer is allocated (it is no longer counted)
         self._pool_bytes += nb
         if self.cuda:
             buf = torch.empty(nb, dtype=torch.uint8, device=self.device)
