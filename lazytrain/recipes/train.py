@@ -1056,7 +1056,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     summary.update({"output_dir": str(out), "final_dir": final_dir and str(final_dir),
                     "engine": str(cfg.engine), "dataset_sequences": len(ds),
                     "dataset_tokens": ds.num_tokens, "max_steps": max_steps,
-                    "device": "cuda" if pre.hardware.device_type == "cuda" and torch.cuda.is_available() else "cpu"})
+                    "device": "cuda" if pre.hardware.device_type == "cuda" and torch.cuda.is_available() else "cpu",
+                    "op_temporaries_counted": bool(cfg.get("count_op_temporaries", False))})
     if pre.eval_dataset is not None:
         summary["eval_sequences"] = len(pre.eval_dataset)
         summary["eval_sequences_used"] = len(pre.eval_dataset) if eval_limit is None else \
@@ -1223,6 +1224,10 @@ def format_summary(s: dict[str, Any]) -> str:
         + ("" if s.get("engine", "lazytrain") == "lazytrain" else
            f"  (predicted: lazytrain's plan; this run used engine={s['engine']}, which does not follow it"
            + ("; measured: the process's peak RSS, its CPU has no device memory of its own"
-              if s.get("device") == "cpu" else "") + ")"),
+              if s.get("device") == "cpu" else "") + ")")
+        + ("  (measured: what the executor places; the prediction also holds the temporaries ops make "
+           "inside a layer, which count_op_temporaries=true counts too)"
+           if s.get("engine", "lazytrain") == "lazytrain" and s.get("device") == "cpu"
+           and s.get("op_temporaries_counted") is False else ""),
         f"outputs: {s.get('output_dir')}" + (f"  (final model: {s['final_dir']})" if s.get("final_dir") else ""),
     ])
