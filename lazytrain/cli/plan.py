@@ -178,6 +178,7 @@ def cmd_trace(args: list[str]) -> int:
 
 def cmd_compare(args: list[str]) -> int:
     from ..plan import HEURISTICS, plan_job
+    from ..plan.solve import timed_out
     model, hw, job, opts, use_cache, cache_dir = _inputs(args)
     rows, why = [], []
     for method in ["milp"] + [f"heuristic:{h}" for h in HEURISTICS]:
@@ -191,10 +192,12 @@ def cmd_compare(args: list[str]) -> int:
                 why.append(f"{method}: {plan.solver.status_detail}")
         else:
             # a time limit proves nothing: unknown, not "no" (review; as plan max-batch says it)
-            rows.append((method, "-", "-", "-", "? (time limit)" if plan.status == "timeout" else "no"))
-            # whole, below the table (cut to the column, the amounts it names were lost)
-            why.append(f"{method}: " + (plan.explanation[0].split(": ", 1)[-1] if plan.explanation
-                                         else "infeasible"))
+            rows.append((method, "-", "-", "-", "? (time limit)" if timed_out(plan) else "no"))
+            # whole, below the table (cut to the column, the amounts it names were lost); a line
+            # that names its method already is printed as it is (one cut at its first ': ' left
+            # "heuristic:no-checkpoint: raise it for what would fit"; review)
+            line = plan.explanation[0] if plan.explanation else "infeasible"
+            why.append(line if line.startswith(method + " ") else f"{method}: {line.removeprefix('no plan fits: ')}")
     _table(f"{model.name} on {hw.name}, {job.mode}, batch {job.batch_size} x {job.seq_len}",
            ("method", "step s", "tokens/s", "device GiB", "fits"), rows)
     for line in why:

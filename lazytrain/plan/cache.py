@@ -146,7 +146,7 @@ class PlanCache:
         except OSError as e:   # e.g. another user's entry this one may not read: the cache only saves time
             log.warning("ignoring unreadable plan cache entry %s (%s); re-solving", p, e.strerror or e)
             return None
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             log.warning("ignoring corrupt plan cache entry %s (%s); re-solving", p, e)
             return None
         if plan.input_hash != input_hash:

@@ -56,10 +56,11 @@ def model_code_fingerprint() -> str:
 def versions() -> dict[str, str]:
     import pulp
     out = {"lazytrain": __version__, "pulp": pulp.__version__, "planner_code": model_code_fingerprint()}
+    # (highspy has no __version__: a HiGHS upgrade, whose plans can differ, kept the cache's keys)
+    from importlib import metadata
     try:
-        import highspy
-        out["highspy"] = getattr(highspy, "__version__", "installed")
-    except ImportError:
+        out["highspy"] = metadata.version("highspy")
+    except metadata.PackageNotFoundError:
         out["highspy"] = "absent"
     return out
 
@@ -490,7 +491,13 @@ def _least_host_and_nvme(model: ModelSpec, hw: HardwareSpec, job: JobSpec, optio
     memory and the NVMe it needs, the job plans (device memory permitting). Parameters the device holds take no host memory
     (a 16-bit llama3-8b's on a 24 GiB GPU), streamed ones `depth` staging buffers."""
     layouts = _off_device_layouts(model, hw, job, options, method)
-    held = [p for p in layouts if p["device"] <= hw.device_memory_bytes] or layouts
+    held = [p for p in layouts if p["device"] <= hw.device_memory_bytes]
+    if not held:
+        # None fits the device: size host and NVMe for the layouts that need the least device
+        # memory. (The least host of all keeps every parameter on the device: advice sized for it
+        # sent llama3.1-405b full on a 3090 to a device of 770 GiB where ~26 GiB plans; review.)
+        least = min(p["device"] for p in layouts)
+        held = [p for p in layouts if p["device"] == least]
     best = min(held, key=lambda p: (p["host"], p["nvme"]))
     return best["host"], best["nvme"]
 
@@ -617,9 +624,17 @@ def _or(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
+TIMED_OUT = "the planner hit planner.time_limit_s="   # how a time-limited empty plan's explanation starts
+
+
 def _timed_out_line(options: PlannerOptions) -> str:
-    return (f"the planner hit planner.time_limit_s={options.time_limit_s} before finding any plan "
+    return (f"{TIMED_OUT}{options.time_limit_s} before finding any plan "
             f"or proving none fits; raise planner.time_limit_s")
+
+
+def timed_out(plan: Plan) -> bool:
+    """No plan because the time limit came first (no proof that none fits)."""
+    return not plan.fits and bool(plan.explanation) and plan.explanation[0].startswith(TIMED_OUT)
 
 
 def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,

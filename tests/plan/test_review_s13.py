@@ -337,9 +337,10 @@ def test_compare_marks_a_timed_out_method_unknown_and_plot_names_its_file(tmp_pa
 
     real = plan_mod.plan_job
 
-    def timed_out(*a, method="milp", **k):
+    def timed_out(*a, method="milp", **k):   # an empty plan as plan_job returns it for a time limit
+        from lazytrain.plan.solve import _timed_out_line
         p = real(*a, method=method, **k)
-        return p if method == "milp" else dataclasses.replace(p, status="timeout")
+        return p if method == "milp" else dataclasses.replace(p, explanation=(_timed_out_line(p.options),))
     rc, out, err = _cli(["planner.cache=false", "hardware.device_memory_gib=0.0001", "hardware.workspace_gib=0"], capsys)
     assert rc == 2   # (this budget fits no plan: the MILP's "no" stays a no)
     monkeypatch.setattr(plan_mod, "plan_job", timed_out)
