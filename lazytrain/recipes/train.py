@@ -220,8 +220,10 @@ def preflight(cfg: DictConfig) -> Preflight:
                           f"(max_position_embeddings={mspec.max_position_embeddings})")
     files, tok_dir = prepare_data(cfg)
     # Plan before tokenizing: a job that cannot fit is reported without waiting for the data.
-    plan = plan_job(mspec, hw, job, planner_options(cfg), cache_dir=str(planner_cache_dir(cfg)),
-                     use_cache=bool(cfg.planner.cache))
+    # planner.cache=false bypasses the cache both ways, as for `lazytrain plan` (it wrote the plan)
+    use_cache = bool(cfg.planner.cache)
+    plan = plan_job(mspec, hw, job, planner_options(cfg),
+                    cache_dir=str(planner_cache_dir(cfg)) if use_cache else None, use_cache=use_cache)
     if not plan.fits:
         raise InfeasiblePlanError(plan)
     ds_over = deepspeed_overrides(cfg)

@@ -867,6 +867,18 @@ def test_the_summary_says_a_cpu_peak_leaves_op_temporaries_out(base_overrides, t
         assert ("measured: what the executor places" in io.out) is (not count), io.out
 
 
+def test_planner_cache_false_writes_no_cache_entry(base_overrides, tmp_path, capsys):
+    """planner.cache=false read nothing but still wrote the plan into solver_cache/ under train
+    (`lazytrain plan` writes nothing with it; review); with the cache on, the entry is written."""
+    cache = tmp_path / "solver_cache"
+    rc, io = _main([*base_overrides, "job.max_steps=1", "planner.cache=false", f"output_dir={tmp_path / 'a'}"], capsys)
+    assert rc == 0, io.err
+    assert not list(cache.glob("*.json"))
+    rc, io = _main([*base_overrides, "job.max_steps=1", f"output_dir={tmp_path / 'b'}"], capsys)
+    assert rc == 0, io.err
+    assert len(list(cache.glob("*.json"))) == 1
+
+
 def test_a_demo_run_started_before_the_jsonl_corpus_is_told_how_to_resume(tmp_path):
     """The built-in data became train.jsonl (a row per document): a demo run started on train.txt
     could not resume and the error did not say why (review); the hint names the file to resume with."""
