@@ -90,3 +90,20 @@ def test_cache_key_has_the_highs_version():
 
     pytest.importorskip("highspy")
     assert versions()["highspy"] == metadata.version("highspy")
+
+
+def test_summary_shows_small_peaks_and_rates_with_their_digits():
+    """'peaks  device 0.05 GiB (budget 0.0462)' read as over a budget it fits, and a 405B plan's
+    rate printed '0 tokens/s' (review): below 1 GiB and 10 tokens/s, three significant digits."""
+    from lazytrain.plan.render import summary_lines
+
+    m, hw, job, opts = _specs("model=tiny-llama", "hardware=cpu")
+    need = min_device_bytes(m, hw, job, opts)
+    budget = float(f"{need / GiB:.4f}") + 0.0001   # (0.2516 here: it printed 0.25, under it)
+    plan = plan_job(m, replace(hw, device_memory_gib=budget), job, opts, cache_dir=None)
+    assert plan.fits
+    peaks = next(ln for ln in summary_lines(plan) if ln.startswith("peaks"))
+    dev = float(peaks.split()[2])
+    assert dev == float(f"{plan.predicted.peak_bytes['device'] / GiB:.3g}"), peaks
+    slow = replace(plan, predicted=replace(plan.predicted, tokens_per_s=0.4))
+    assert "(0.4 tokens/s)" in summary_lines(slow)[3]
