@@ -39,10 +39,10 @@ def optimizer_state_label(job) -> str:
 
 
 def _gib_text(nbytes: float) -> str:
-    """GiB with 2 decimals, or 3 significant digits below 1 GiB (a 0.0461 GiB peak read '0.05
+    """GiB with 2 decimals, or 4 significant digits below 1 GiB (a 0.0461 GiB peak read '0.05
     GiB (budget 0.0462)': over the budget it fits; review)."""
     x = nbytes / GiB
-    return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.3g}"
+    return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4g}"
 
 
 def _rate_text(r: float) -> str:
