@@ -30,7 +30,11 @@ def _normalise(argv: list[str]) -> list[str]:
     given = [a.split("=", 1)[1] for a in out if a.startswith("output_dir=")]
     # (output_dir=null / empty: no dir given; as hydra.run.dir it was Hydra's "not Optional" error)
     if given and given[-1] not in NO_DIR and not any(a.startswith("hydra.run.dir=") for a in out):
-        out.append(f"hydra.run.dir={given[-1]}")
+        # expanded as the recipe expands it: '~/run' put .hydra/ in ./~/run and the outputs in
+        # $HOME/run, and resume=true then found no record of the run's settings (review)
+        v = given[-1]
+        q = v[0] if len(v) >= 2 and v[0] in "'\"" and v[-1] == v[0] else ""
+        out.append(f"hydra.run.dir={q}{os.path.expanduser(v[1:-1] if q else v)}{q}")
     return out
 
 
@@ -71,13 +75,16 @@ def _named_earlier(root: str, name: str) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _sweep_subdir(cfg, keys: list[str], num: int, ordered: bool = True) -> str:
+def _sweep_subdir(cfg, keys: list[str], num: int, ordered: bool = True,
+                  choices: dict[str, str] | None = None) -> str:
     """A sweep job's subdir of output_dir: named by its swept values, keys sorted (the same job
     finds its own dir again when the sweep is re-run with resume=true, its keys and values in any
     order; `ordered=False`: in the given order, as named before 2026-12-01), else Hydra's job
     number.
     ASCII letters, digits and =,._+- only; where that (or the value's type: 0.1 vs '0.1') loses
-    anything, a hash of the exact values is appended, so two jobs never share a dir."""
+    anything, a hash of the exact values is appended, so two jobs never share a dir. A swept config
+    group (model=a,b) is named by its option (`choices`: Hydra's runtime.choices), not by the
+    whole config it selects (review: 'model=__path___None,__name____tiny-llama_,...')."""
     import hashlib
     import json
 
@@ -86,9 +93,13 @@ def _sweep_subdir(cfg, keys: list[str], num: int, ordered: bool = True) -> str:
     if not keys:
         return str(num)
     keys = sorted(keys) if ordered else keys
-    values = [(k, OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(cfg, k))
+    choices = choices or {}
+    values = [(k, choices[k] if k in choices and choices[k] is not None
+               else OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(cfg, k))
                else v) for k in keys]
-    exact = ",".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in values)
+    # (an option's name is exact as it is: no type to lose, and no hash needed for it)
+    exact = ",".join(f"{k}={v}" if k in choices and choices[k] is not None else
+                     f"{k}={json.dumps(v, sort_keys=True)}" for k, v in values)
     name = ",".join(f"{k}={v}" for k, v in values)
     name = "".join(c if (c.isascii() and c.isalnum()) or c in "=,._+-" else "_" for c in name)
     if name != exact or len(name) > 120:
@@ -303,9 +314,11 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
             # job would find the first one's checkpoints)
             params = (hc.sweeper.get("params") if hc.sweeper is not None else None) or {}   # hydra.sweeper.params
             keys = swept + [str(k) for k in params if str(k) not in swept]
-            out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num))
+            choices = {str(k): (None if v is None else str(v)) for k, v in hc.runtime.choices.items()}
+            out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num, choices=choices))
             if not os.path.exists(out):   # a sweep whose dirs were named in its command line's order
-                given = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num, ordered=False))
+                given = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num, ordered=False,
+                                                                        choices=choices))
                 out = (given if os.path.isdir(given) else   # (the same order: hashed names too)
                        _named_earlier(str(cfg.output_dir), os.path.basename(out)) or out)
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:

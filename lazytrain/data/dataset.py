@@ -233,6 +233,27 @@ def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]
         yield tuple(_field_text(path, where, field, key, obj[field]) for field, key in fields.items())
 
 
+def _write_cache(cache_path: Path, data: dict[str, torch.Tensor]) -> None:
+    """Write the token cache atomically; a dir that cannot take it (a file in the way, a full
+    disk) is a warning, as for planner.cache_dir: the cache only saves time (it was a traceback)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")  # ranks may race
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(data, str(tmp), metadata={"sha256": _streams_digest(data)})
+        share_like_umask(tmp)   # safetensors writes its files 0600 (storage/filemode.py)
+        tmp.replace(cache_path)
+    except (OSError, SafetensorError) as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        log.warning("data.cache_dir: the tokens were not cached in %s (%s); training goes on without "
+                    "the cache", cache_path.parent, getattr(e, "strerror", None) or e)
+
+
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """Documents of one file: a text file is one document; JSONL gives one per line (`text_field`)."""
     if is_jsonl(path):
@@ -240,7 +261,7 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
             yield text
     else:
         try:
-            yield path.read_text(encoding="utf-8")
+            yield path.read_text(encoding="utf-8-sig")   # (a BOM was 3 trained tokens, as JSONL strips it)
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -498,8 +519,8 @@ class PackedDataset:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0,
                  learn: torch.Tensor | None = None) -> None:
-        if seq_len < 1:
-            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        if seq_len < 2:   # (1 left no target after the shift: NaN losses; review)
+            raise DataError(f"seq_len must be >= 2 (a token to predict the next from), got {seq_len}")
         n = tokens.numel() // seq_len
         if n == 0:
             raise DataError(f"the data holds {tokens.numel()} tokens, fewer than one sequence of "
@@ -725,12 +746,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
         else:
             data = {"tokens": tokenize_files(paths, tokenizer, text_field, bos=bos)}
         if cache_path is not None:
-            from safetensors.torch import save_file
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")  # ranks may race
-            save_file(data, str(tmp), metadata={"sha256": _streams_digest(data)})
-            share_like_umask(tmp)   # safetensors writes its files 0600 (storage/filemode.py)
-            tmp.replace(cache_path)
+            _write_cache(cache_path, data)
     tokens = data["tokens"]
     if tokens.numel() == 0 and messages_field:
         raise DataError(f"no chat row has an assistant message to learn (data.messages_field="

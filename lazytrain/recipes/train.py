@@ -131,9 +131,16 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
         from ..data.corpus import build_corpus
         from ..data.tokenizer import MIN_VOCAB, build_tokenizer
 
+        vocab = d.get("vocab_size")
+        if not d.get("tokenizer") and (isinstance(vocab, bool) or not isinstance(vocab, int)):
+            raise ConfigError(f"data.vocab_size must be a whole number (the built-in tokenizer's size), "
+                              f"got {vocab!r}")
         if not d.get("tokenizer") and int(d.vocab_size) < MIN_VOCAB:   # before the corpus is built
             raise ConfigError(f"data.vocab_size={d.vocab_size}: the built-in byte-level BPE tokenizer has "
                               f"at least {MIN_VOCAB} tokens; give the model that vocab_size or more")
+        if d.get("cache_dir") in (None, ""):   # (null built it all in ./None; review)
+            raise ConfigError("data.cache_dir is empty: the built-in corpus and tokenizer need a dir "
+                              "to be built in (the default: ~/.cache/lazytrain/demo-data)")
         cache = Path(str(d.cache_dir)).expanduser()
         train_txt, _ = build_corpus(cache / "corpus")
         tok_dir = d.get("tokenizer") or build_tokenizer(
@@ -218,6 +225,13 @@ def preflight(cfg: DictConfig) -> Preflight:
     if job.seq_len > mspec.max_position_embeddings:
         raise ConfigError(f"job.seq_len={job.seq_len} is longer than the model allows "
                           f"(max_position_embeddings={mspec.max_position_embeddings})")
+    if job.seq_len < 2:   # (it trained on nothing: NaN losses, exit 0 and a final model; review)
+        raise ConfigError(f"job.seq_len={job.seq_len}: a sequence needs at least 2 tokens, one to "
+                          f"predict the next from")
+    if str(cfg.engine) == "torch" and job.optimizer_state_bits == 8:
+        # (said by the engine once built, after the output dir was written; review)
+        raise ConfigError("engine=torch runs 32-bit AdamW only (job.optimizer_state_bits=32); "
+                          "use engine=lazytrain for 8-bit states")
     files, tok_dir = prepare_data(cfg)
     # Plan before tokenizing: a job that cannot fit is reported without waiting for the data.
     # planner.cache=false bypasses the cache both ways, as for `lazytrain plan` (it wrote the plan)
@@ -359,6 +373,10 @@ def run_settings(cfg: DictConfig) -> None:
     out = cfg.get("output_dir")
     if out and Path(str(out)).expanduser().is_file():
         raise ConfigError(f"output_dir {out} is a file, not a directory")
+    if out:   # (one under a file was a NotADirectoryError traceback from Hydra; review)
+        above = next((a for a in Path(str(out)).expanduser().absolute().parents if a.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ConfigError(f"output_dir {out} cannot be made: {above} is a file, not a directory")
 
 
 def optim_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -428,8 +446,12 @@ def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: in
         p = Path(model_path).expanduser()
         try:
             model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, local_files_only=True)
-        except (OSError, ValueError, SafetensorError) as e:
-            raise ConfigError(f"cannot load the model in {p}: {str(e).splitlines()[0]}") from None
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            # (RuntimeError: weights whose shapes are not config.json's; review)
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "ignore_mismatched_sizes" in why:
+                why = "its weights' shapes are not those of its config.json (transformers' report above)"
+            raise ConfigError(f"cannot load the model in {p}: {why}") from None
     else:
         hf = dict(mspec.hf_config)
         config = AutoConfig.for_model(hf.pop("model_type"), **hf)

@@ -183,3 +183,24 @@ def test_chunked_tokenization_equals_whole_documents(tmp_path, make_tok):
     assert whole.numel() < len(TEXT)
     for chunk_chars in (60, 100, 200, 333, 1000):
         assert torch.equal(tokenize_files([f], t, chunk_chars=chunk_chars), whole), chunk_chars
+
+
+def test_a_cache_dir_that_cannot_take_the_tokens_is_a_warning(tok, tmp_path, caplog):
+    """A file in the way of data.cache_dir (or a full disk) was a FileExistsError / SafetensorError
+    traceback: the cache only saves time, so it is a warning and the data is built uncached."""
+    f = tmp_path / "a.txt"
+    f.write_text(TEXT)
+    (tmp_path / "blocker").write_text("x")
+    with caplog.at_level(logging.WARNING):
+        ds = build_dataset([f], tok, seq_len=16, cache_dir=tmp_path / "blocker" / "cache")
+    assert len(ds) > 0 and "were not cached" in caplog.text
+    assert torch.equal(ds.sequences, build_dataset([f], tok, seq_len=16).sequences)
+
+
+def test_a_text_file_with_a_bom_gives_the_same_tokens(tok, tmp_path):
+    """The UTF-8 BOM of a text file became 3 trained tokens (JSONL rows already dropped it)."""
+    plain, bom = tmp_path / "plain.txt", tmp_path / "bom.txt"
+    plain.write_text(TEXT, encoding="utf-8")
+    bom.write_text(TEXT, encoding="utf-8-sig")
+    assert bom.read_bytes()[:3] == b"\xef\xbb\xbf"
+    assert torch.equal(tokenize_files([plain], tok), tokenize_files([bom], tok))

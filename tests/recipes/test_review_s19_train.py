@@ -1,0 +1,92 @@
+"""Fixes from the session-19 review of `lazytrain train`'s input checks and output dirs: seq_len 1,
+a model dir whose weights are not its config's, engine=torch with 8-bit states, '~' in output_dir,
+the built-in data's settings, an output_dir under a file, and a swept config group's dir names."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lazytrain.cli import train as cli
+
+
+def _main(args, capsys):
+    rc = cli.main(list(args))
+    return rc, capsys.readouterr()
+
+
+def test_seq_len_1_is_refused(base_overrides, tmp_path, capsys):
+    """It trained on nothing (no target after the shift): NaN losses, exit 0, a final model."""
+    rc, io = _main([*base_overrides, "job.seq_len=1", f"output_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and "job.seq_len=1: a sequence needs at least 2 tokens" in io.err, io.err
+    assert not (tmp_path / "r").exists()
+
+
+def test_engine_torch_with_8bit_states_is_refused_before_anything_is_written(base_overrides, tmp_path, capsys):
+    rc, io = _main([*base_overrides, "engine=torch", "job.optimizer_state_bits=8", f"output_dir={tmp_path / 'r'}"],
+                   capsys)
+    assert rc == 2 and "engine=torch runs 32-bit AdamW only" in io.err, io.err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_model_dir_whose_weights_are_not_its_config_is_one_line(base_overrides, tmp_path, capsys):
+    """transformers raises RuntimeError for mismatched shapes: it was a traceback."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                               max_position_embeddings=256)
+    d = tmp_path / "m"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "hidden_size": 128}))
+    args = [a for a in base_overrides if not a.startswith("model")]
+    rc, io = _main([*args, f"model.path={d}", "engine=torch", f"output_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and f"cannot load the model in {d}: its weights' shapes are not those of its config.json" in io.err, io.err
+    assert "Traceback" not in io.err, io.err
+
+
+def test_output_dir_with_a_tilde_is_one_dir_and_resumes(base_overrides, tmp_path, capsys, monkeypatch):
+    """'~/runA' put .hydra/ and train.log in ./~/runA and the outputs in $HOME/runA; resume=true
+    then found no record of the run's settings."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    rc, io = _main([*base_overrides, "job.max_steps=2", "output_dir='~/runA'"], capsys)
+    assert rc == 0, io.err
+    assert (home / "runA" / ".hydra" / "overrides.yaml").is_file() and (home / "runA" / "metrics.jsonl").is_file()
+    assert not (cwd / "~").exists()
+    rc, io = _main(["resume=true", "job.max_steps=3", "output_dir='~/runA'"], capsys)
+    assert rc == 0, io.err
+    assert len((home / "runA" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_output_dir_under_a_file_is_one_line(base_overrides, tmp_path, capsys):
+    (tmp_path / "afile.txt").write_text("x")
+    rc, io = _main([*base_overrides, f"output_dir={tmp_path / 'afile.txt' / 'sub'}"], capsys)
+    assert rc == 2 and "afile.txt is a file, not a directory" in io.err, io.err
+
+
+@pytest.mark.parametrize("setting,says", [("data.cache_dir=null", "data.cache_dir is empty"),
+                                          ("data.vocab_size=abc", "data.vocab_size must be a whole number"),
+                                          ("data.vocab_size=null", "data.vocab_size must be a whole number")])
+def test_builtin_data_settings_are_checked(tmp_path, capsys, monkeypatch, setting, says):
+    """data=demo with data.cache_dir=null built everything in ./None; a vocab size that is not a
+    number was a TypeError/ValueError traceback."""
+    monkeypatch.chdir(tmp_path)
+    rc, io = _main(["model=tiny-llama", "data=demo", setting, f"output_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and says in io.err, io.err
+    assert not (tmp_path / "None").exists()
+
+
+def test_a_swept_config_group_names_its_dirs_by_option(base_overrides, tmp_path, capsys):
+    """--multirun model=a,b output_dir=D named each job's dir after the whole config it selects."""
+    out = tmp_path / "sweep"
+    args = [a for a in base_overrides if not a.startswith("model=")]
+    rc, io = _main(["--multirun", "model=tiny-llama,tiny-mixtral", *args, "job.max_steps=1", f"output_dir={out}"],
+                   capsys)
+    assert rc == 0, io.err
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["model=tiny-llama", "model=tiny-mixtral"]
+    assert all((Path(out) / n / "metrics.jsonl").is_file() for n in ("model=tiny-llama", "model=tiny-mixtral"))
