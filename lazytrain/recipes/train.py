@@ -445,13 +445,19 @@ def build_model(mspec: ModelSpec, model_path: str | None, job: JobSpec, seed: in
     if model_path:
         p = Path(model_path).expanduser()
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, local_files_only=True)
+            model, info = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, local_files_only=True,
+                                                               output_loading_info=True)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             # (RuntimeError: weights whose shapes are not config.json's; review)
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "ignore_mismatched_sizes" in why:
                 why = "its weights' shapes are not those of its config.json (transformers' report above)"
             raise ConfigError(f"cannot load the model in {p}: {why}") from None
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:   # (transformers initialises them at random and goes on: a run trained that; review)
+            raise ConfigError(f"the model in {p} lacks {len(missing)} of its weights ({', '.join(missing[:3])}"
+                              f"{', ...' if len(missing) > 3 else ''}): they would start random; give a "
+                              f"complete checkpoint")
     else:
         hf = dict(mspec.hf_config)
         config = AutoConfig.for_model(hf.pop("model_type"), **hf)

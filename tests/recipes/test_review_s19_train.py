@@ -90,3 +90,24 @@ def test_a_swept_config_group_names_its_dirs_by_option(base_overrides, tmp_path,
     assert rc == 0, io.err
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["model=tiny-llama", "model=tiny-mixtral"]
     assert all((Path(out) / n / "metrics.jsonl").is_file() for n in ("model=tiny-llama", "model=tiny-mixtral"))
+
+
+def test_a_model_dir_missing_weights_is_refused(base_overrides, tmp_path, capsys):
+    """A checkpoint without some tensors trained with them randomly initialised (transformers only
+    prints a MISSING report); refused now, naming them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                               max_position_embeddings=256, tie_word_embeddings=True)
+    d = tmp_path / "m"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    args = [a for a in base_overrides if not a.startswith("model")]
+    rc, io = _main([*args, f"model.path={d}", "engine=torch", "job.max_steps=1", f"output_dir={tmp_path / 'ok'}"], capsys)
+    assert rc == 0, io.err   # (complete, with its tied head: no weight missing)
+    sd = load_file(d / "model.safetensors")
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    rc, io = _main([*args, f"model.path={d}", "engine=torch", f"output_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and "lacks 1 of its weights (model.layers.1.mlp.up_proj.weight)" in io.err, io.err
