@@ -486,7 +486,8 @@ class StreamingExecutor:
                                      master_alias=self.streamer.key(lay)
                                      if (self.master_dtype == lay.layout.dtype and d.param_tier == "host"
                                          and d.optimizer_tier == "host") else None,
-                                     staging=staging, state_io=self.state_io)
+                                     staging=staging, state_io=self.state_io,
+                                     moments=not (optimizer == "adamw8bit" and not self.lora))
                 st.init_master(lay.extra["init_values"])
                 st.track_norms = self._deferred
             self.states.append(st)

@@ -36,9 +36,15 @@ class LayerTrainState:
     def __init__(self, name: str, layout: FlatLayout, grad_tier: str, optimizer_tier: str,
                  host: HostStore, nvme: NvmeStore | None, trace: Trace,
                  master_alias: str | None = None, staging: StagingSets | None = None,
-                 state_io: IOPool | None = None) -> None:
+                 state_io: IOPool | None = None, moments: bool = True) -> None:
         """`layout.dtype` is the master dtype: fp32 (default), or bf16 for pure-bf16 training
-        (master, moments and gradient accumulator all bf16, as torch's AdamW on bf16 params)."""
+        (master, moments and gradient accumulator all bf16, as torch's AdamW on bf16 params).
+        `moments=False`: the moments live elsewhere (AdamW8bit's 8-bit states, on the host): none
+        are allocated here (they were, zeroed and never used: 8 bytes per parameter of host memory
+        no plan counted, more than the 8-bit states saved; review)."""
+        if not moments and optimizer_tier != "host":
+            raise ValueError(f"{name}: state kept outside the layer (moments=False) needs the host tier")
+        self.moments = moments
         self.name, self.layout = name, layout
         self.numel = layout.numel
         self.dtype = layout.dtype
@@ -61,8 +67,8 @@ class LayerTrainState:
         # NVMe-tier tensors whose last write-back failed (their files are part old, part new):
         # every later read raises until they are stored whole again (store_tensor: a resume)
         self._incomplete: dict[str, BaseException] = {}
-        for key, tier in (("grad", grad_tier), ("master", optimizer_tier), ("exp_avg", optimizer_tier),
-                          ("exp_avg_sq", optimizer_tier)):
+        for key, tier in (("grad", grad_tier), ("master", optimizer_tier),
+                          *((("exp_avg", optimizer_tier), ("exp_avg_sq", optimizer_tier)) if moments else ())):
             store = self._store(tier)
             if key == "master" and master_alias is not None and tier == "host":
                 # the master *is* the layer's host parameter store (pure bf16: same dtype), so the
@@ -207,7 +213,7 @@ class LayerTrainState:
 
     def init_master(self, values: list[torch.Tensor]) -> None:
         """Set fp32 master weights from the model's tensors; zero the moments."""
-        for what in ("master", "exp_avg", "exp_avg_sq"):
+        for what in ("master", "exp_avg", "exp_avg_sq") if self.moments else ("master",):
             t = self._fresh(what, self.optimizer_tier)
             if what == "master":
                 self.layout.gather(values, t)

@@ -97,11 +97,13 @@ def _load_8bit_layer(ex: "StreamingExecutor", i: int, st, sd: Mapping[str, torch
     opt = ex.opt8[st.name]
     prefix = f"layer8.{st.name}."
     saved = {k[len(prefix):]: sd[k] for k in sd if k.startswith(prefix)}  # keys only: sd may be lazy
-    if "step" not in saved:
+    if "step" not in saved and "skipped_steps" not in saved:
         raise KeyError(f"state dict has no 8-bit optimizer state for {st.name} (saved with optimizer=adamw?)")
     osd = opt.state_dict()
     osd["lazytrain"]["skipped_steps"] = int(saved.pop("skipped_steps", torch.tensor(0)))
     state = {k: (int(v) if k == "step" else v) for k, v in saved.items()}
-    osd["state"] = {0: state}
+    # no state yet: saved before the first update that ran (every step so far skipped, an fp16
+    # overflow), which was refused as a checkpoint of another optimizer (review)
+    osd["state"] = {0: state} if state else {}
     opt.load_state_dict(osd)
     ex._publisher(i)(st.master())
