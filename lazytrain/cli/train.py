@@ -315,12 +315,20 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
             params = (hc.sweeper.get("params") if hc.sweeper is not None else None) or {}   # hydra.sweeper.params
             keys = swept + [str(k) for k in params if str(k) not in swept]
             choices = {str(k): (None if v is None else str(v)) for k, v in hc.runtime.choices.items()}
-            out = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num, choices=choices))
-            if not os.path.exists(out):   # a sweep whose dirs were named in its command line's order
-                given = os.path.join(str(cfg.output_dir), _sweep_subdir(cfg, keys, hc.job.num, ordered=False,
-                                                                        choices=choices))
-                out = (given if os.path.isdir(given) else   # (the same order: hashed names too)
-                       _named_earlier(str(cfg.output_dir), os.path.basename(out)) or out)
+            root = os.path.expanduser(str(cfg.output_dir))   # (as the recipe expands it: one dir)
+            out = os.path.join(root, _sweep_subdir(cfg, keys, hc.job.num, choices=choices))
+            if not os.path.exists(out):
+                # a sweep named before 2026-12-01: its keys in the command line's order, and config
+                # groups by the whole config they select; the same order finds hashed names too
+                for by in (choices, None):
+                    for ordered in (True, False):
+                        old = os.path.join(root, _sweep_subdir(cfg, keys, hc.job.num, ordered=ordered, choices=by))
+                        if os.path.isdir(old) or (old := _named_earlier(root, os.path.basename(old))):
+                            out = old
+                            break
+                    else:
+                        continue
+                    break
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

@@ -660,7 +660,7 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
 
     # v3: keyed by the whole tokenizer and per-file framing; v4: text that starts with the BOS
     # string gets no second BOS (data.add_bos, 2026-12-01): such documents' tokens changed
-    put(b"lazytrain-tokens-v4")
+    put(b"lazytrain-tokens-v5")   # v5: a text file's BOM is no longer tokenized (2026-12-01)
     put(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
     for name, content in _tokenizer_files(tokenizer):
         put(name.encode())

@@ -45,6 +45,18 @@ def _gib_text(nbytes: float) -> str:
     return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4g}"
 
 
+def _peak_text(nbytes: float, budget_gib: float) -> str:
+    """`_gib_text`, with more decimals where its rounding would put a peak that fits above its
+    budget ('7.66 GiB (budget 7.6553)' for 7.6553 GiB; review)."""
+    text = _gib_text(nbytes)
+    x = nbytes / GiB
+    for d in range(3, 8):
+        if x > budget_gib or float(text) <= budget_gib:
+            break
+        text = f"{x:.{d}f}"
+    return text
+
+
 def _rate_text(r: float) -> str:
     return f"{r:,.0f}" if r >= 10 else f"{r:.3g}"   # (a 405B step printed '0 tokens/s')
 
@@ -64,7 +76,8 @@ def summary_lines(plan: Plan) -> list[str]:
         + (f"optimizer (not overlapped) {p.serial_optimizer_s:.4g} s  " if p.serial_optimizer_s else "")
         + (f"optimizer (not hidden) {p.exposed_optimizer_s:.4g} s  " if p.exposed_optimizer_s else "")
         + f"exposed transfers {p.exposed_transfer_s:.4g} s",
-        f"peaks  device {_gib_text(pk['device'])} GiB (budget {plan.hardware.device_memory_gib:g})  "
+        f"peaks  device {_peak_text(pk['device'], plan.hardware.device_memory_gib)} GiB "
+        f"(budget {plan.hardware.device_memory_gib:g})  "
         f"host {_gib_text(pk['host'])} GiB  nvme {_gib_text(pk['nvme'])} GiB",
     ]
     if plan.solver.fell_back:   # the MILP timed out and a heuristic's plan is returned

@@ -624,17 +624,17 @@ def _or(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
-TIMED_OUT = "the planner hit planner.time_limit_s="   # how a time-limited empty plan's explanation starts
+TIMED_OUT_LINE = "the planner hit planner.time_limit_s="   # how a time-limited empty plan's explanation starts
 
 
 def _timed_out_line(options: PlannerOptions) -> str:
-    return (f"{TIMED_OUT}{options.time_limit_s} before finding any plan "
+    return (f"{TIMED_OUT_LINE}{options.time_limit_s} before finding any plan "
             f"or proving none fits; raise planner.time_limit_s")
 
 
 def timed_out(plan: Plan) -> bool:
     """No plan because the time limit came first (no proof that none fits)."""
-    return not plan.fits and bool(plan.explanation) and plan.explanation[0].startswith(TIMED_OUT)
+    return not plan.fits and bool(plan.explanation) and plan.explanation[0].startswith(TIMED_OUT_LINE)
 
 
 def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,

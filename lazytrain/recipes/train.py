@@ -142,6 +142,9 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
             raise ConfigError("data.cache_dir is empty: the built-in corpus and tokenizer need a dir "
                               "to be built in (the default: ~/.cache/lazytrain/demo-data)")
         cache = Path(str(d.cache_dir)).expanduser()
+        above = next((a for a in (cache, *cache.absolute().parents) if a.exists()), None)
+        if above is not None and not above.is_dir():   # (a NotADirectoryError traceback; review)
+            raise ConfigError(f"data.cache_dir {cache} cannot be made: {above} is a file, not a directory")
         train_txt, _ = build_corpus(cache / "corpus")
         tok_dir = d.get("tokenizer") or build_tokenizer(
             [train_txt], cache / f"tokenizer-{int(d.vocab_size)}", vocab_size=int(d.vocab_size))
@@ -650,6 +653,23 @@ def _data_hints(cfg: DictConfig, pre: Preflight) -> str:
     if not cfg.data.get("messages_field") and str(add).lower() == "auto" and bos_for(pre.tokenizer, "auto") is not None:
         hints.append("data.add_bos=auto puts a BOS before each document (runs started before 2026-12-01 "
                      "had none: resume those with data.add_bos=false)")
+    try:
+        from ..data.dataset import expand_files, is_jsonl
+        paths = expand_files(data_files(cfg.data))[:1000]
+    except Exception:  # noqa: BLE001 - a hint only: the data was read before, this cannot matter
+        paths = []
+
+    def bom(p: Path) -> bool:
+        try:
+            with open(p, "rb") as f:
+                return f.read(3) == b"\xef\xbb\xbf"
+        except OSError:
+            return False
+
+    if any(not is_jsonl(p) and bom(p) for p in paths):
+        hints.append("a text file here begins with a UTF-8 BOM, which runs started before 2026-12-01 "
+                     "trained as tokens and runs since drop: such a run cannot resume; start it again "
+                     "in a new output_dir")
     if cfg.data.get("builtin") and not data_files(cfg.data):
         corpus = Path(str(cfg.data.cache_dir)).expanduser() / "corpus"
         hints.append(f"the built-in data is {corpus / 'train.jsonl'}, a document per row, since 2026-12-01; "

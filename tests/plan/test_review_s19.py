@@ -107,3 +107,30 @@ def test_summary_shows_small_peaks_and_rates_with_their_digits():
     assert dev == float(f"{plan.predicted.peak_bytes['device'] / GiB:.4g}") and dev <= budget, peaks
     slow = replace(plan, predicted=replace(plan.predicted, tokens_per_s=0.4))
     assert "(0.4 tokens/s)" in summary_lines(slow)[3]
+
+
+def test_min_device_bytes_says_a_time_limit_with_its_int_sentinel():
+    """A second TIMED_OUT (the explanation's prefix) shadowed min_device_bytes' -1: it returned text."""
+    from lazytrain.plan.solve import TIMED_OUT
+
+    m, hw, job, opts = _specs("model=llama3.1-405b", "hardware=h200", "job.mode=lora", "planner.time_limit_s=0.01")
+    got = min_device_bytes(m, hw, job, opts)
+    assert TIMED_OUT == -1 and isinstance(got, int)
+
+
+def test_peak_text_never_reads_above_a_budget_it_fits():
+    from lazytrain.plan.render import _peak_text
+
+    assert float(_peak_text(7.655296 * GiB, 7.6553)) <= 7.6553       # ('7.66 (budget 7.6553)')
+    assert _peak_text(5 * GiB, 24) == "5.00" and _peak_text(30 * GiB, 24) == "30.00"
+
+
+def test_compare_and_max_batch_rates_keep_their_digits(capsys):
+    """The summary said '(0.51 tokens/s)' where the compare table printed 1 and 0 (review)."""
+    slow = ["model=tiny-llama", "hardware=cpu", "hardware.device_tflops=0.00001", "planner.cache=false"]
+    assert cli_main(["plan", "compare", *slow]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("│ ")]
+    rates = [r.split("│")[3].strip() for r in rows if r.split("│")[3].strip() != "-"]
+    assert rates and all("." in x and 0 < float(x) < 10 for x in rates), rows   # (was '4' and '3')
+    gib = [r.split("│")[4].strip() for r in rows]
+    assert all(len(x.split(".")[1]) == 4 for x in gib), rows   # four digits under 1 GiB, as the summary

@@ -111,3 +111,60 @@ def test_a_model_dir_missing_weights_is_refused(base_overrides, tmp_path, capsys
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     rc, io = _main([*args, f"model.path={d}", "engine=torch", f"output_dir={tmp_path / 'r'}"], capsys)
     assert rc == 2 and "lacks 1 of its weights (model.layers.1.mlp.up_proj.weight)" in io.err, io.err
+
+
+def test_a_group_sweep_named_before_resumes_in_its_dirs(base_overrides, tmp_path, capsys):
+    """Sweep dirs of a config group were named by the whole config it selects until 2026-12-01:
+    re-running that sweep with resume=true started every job again in new dirs, silently."""
+    from lazytrain.cli.config import load_config
+
+    out = tmp_path / "sweep"
+    args = [a for a in base_overrides if not a.startswith("model=")]
+    sweep = ["--multirun", "model=tiny-llama,tiny-mixtral", *args, f"output_dir={out}"]
+    rc, io = _main([*sweep, "job.max_steps=1"], capsys)
+    assert rc == 0, io.err
+    for name in ("tiny-llama", "tiny-mixtral"):   # as the earlier naming had them
+        old = cli._sweep_subdir(load_config([*args, f"model={name}"], config_name="train"), ["model"], 0)
+        assert old.startswith("model=") and old != f"model={name}"
+        (out / f"model={name}").rename(out / old)
+    rc, io = _main([*sweep, "job.max_steps=2", "resume=true"], capsys)
+    assert rc == 0, io.err
+    dirs = [p for p in out.iterdir() if p.is_dir()]
+    assert len(dirs) == 2 and all(len((d / "metrics.jsonl").read_text().splitlines()) == 2 for d in dirs), dirs
+
+
+def test_a_sweep_output_dir_with_a_tilde_is_one_dir(base_overrides, tmp_path, capsys, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    rc, io = _main(["--multirun", *base_overrides, "optim.lr=0.001,0.002", "job.max_steps=1",
+                    "output_dir='~/sweep'"], capsys)
+    assert rc == 0, io.err
+    assert (home / "sweep" / "optim.lr=0.001" / ".hydra" / "overrides.yaml").is_file(), sorted(str(p) for p in tmp_path.rglob("*") if ".hydra" in str(p) or "metrics" in str(p))
+    assert not (cwd / "~").exists()
+
+
+def test_builtin_data_cache_dir_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("x")
+    rc, io = _main(["model=tiny-llama", "data=demo", f"data.cache_dir={tmp_path / 'f.txt' / 'c'}",
+                    f"output_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and "f.txt is a file, not a directory" in io.err, io.err
+
+
+def test_resume_hint_names_a_text_files_bom(tmp_path):
+    """Runs before 2026-12-01 trained a text file's BOM as tokens: their resume is refused as
+    'other data'; the hint says why."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from lazytrain.recipes.train import _data_hints
+
+    f = tmp_path / "a.txt"
+    f.write_text("hello", encoding="utf-8-sig")
+    cfg = OmegaConf.create({"data": {"files": [str(f)], "add_bos": "false"}})
+    assert "begins with a UTF-8 BOM" in _data_hints(cfg, SimpleNamespace(tokenizer=None))
+    f.write_text("hello", encoding="utf-8")
+    assert "BOM" not in _data_hints(cfg, SimpleNamespace(tokenizer=None))
