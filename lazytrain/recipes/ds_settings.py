@@ -65,7 +65,9 @@ def deepspeed_overrides(cfg: DictConfig) -> dict[str, Any]:
     than 3."""
     path = cfg.get("deepspeed_config")
     dotted = cfg.get("deepspeed")
-    dotted = OmegaConf.to_container(dotted, resolve=True) if dotted is not None else {}
+    # (a non-mapping, deepspeed=5, was a ValueError traceback here, before the check below)
+    dotted = (OmegaConf.to_container(dotted, resolve=True) if OmegaConf.is_config(dotted)
+              else dotted if dotted is not None else {})
     if not path and not dotted:
         return {}
     if cfg.engine != "deepspeed":

@@ -994,12 +994,14 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             if pre.ds_overrides:
                 echo(f"deepspeed: your settings, merged over the plan's: "
                      f"{json.dumps(pre.ds_overrides, sort_keys=True)}")
-            if ranks.main:   # what DeepSpeed runs with (this run's), for the record and for reuse
-                ckpt.atomic_write_text(out / "ds_config.json", json.dumps(engine.tr.ds_config, indent=2, sort_keys=True) + "\n")
         trace = getattr(getattr(engine, "ex", None), "trace", None)   # engine=lazytrain's own
         if last is not None and trace is not None:
             trace.continue_run(done)   # a resume appends, as to metrics.jsonl
         start_step, position = resume_state(cfg, engine, ckpt_root, ds, pre, echo, ranks)
+        if isinstance(engine, DeepSpeedEngine) and ranks.main:
+            # what DeepSpeed runs with (this run's), for the record and for reuse; once the resume
+            # took (a refused one wrote its settings over the record of the run's; review)
+            ckpt.atomic_write_text(out / "ds_config.json", json.dumps(engine.tr.ds_config, indent=2, sort_keys=True) + "\n")
     except BaseException:
         engine.close()
         raise

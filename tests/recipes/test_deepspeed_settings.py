@@ -209,3 +209,40 @@ def test_a_deepspeed_run_resumes_only_in_the_precision_it_trained_in(tmp_path):
     check_deepspeed_precision(tmp_path, "bf16")
     with pytest.raises(ConfigError, match="trained in bf16"):
         check_deepspeed_precision(tmp_path, "fp32")
+
+
+def test_a_deepspeed_value_that_is_not_a_mapping_is_one_line():
+    """deepspeed=5 was a ValueError traceback from OmegaConf before the 'must map' check (review)."""
+    with pytest.raises(ConfigError, match="deepspeed must map DeepSpeed config keys to values"):
+        deepspeed_overrides(_cfg("engine=deepspeed", "deepspeed=5"))
+
+
+def test_an_nvme_path_that_cannot_be_made_is_one_line(base_overrides, tmp_path):
+    """A user nvme_path under a file was a FileNotFoundError/NotADirectoryError traceback (review)."""
+    from lazytrain.integrations.deepspeed import check_available
+    from lazytrain.recipes.engines import EngineUnavailable
+    if check_available():
+        pytest.skip(check_available())
+    (tmp_path / "f").write_text("x")
+    out = tmp_path / "run"
+    with pytest.raises(EngineUnavailable, match=r"offload_param.nvme_path .*f/sub cannot be made"):
+        run(_cfg(*base_overrides, "engine=deepspeed", "job.max_steps=1", f"output_dir={out}",
+                 "+deepspeed.zero_optimization.offload_param.device=nvme",
+                 f"+deepspeed.zero_optimization.offload_param.nvme_path={tmp_path / 'f' / 'sub'}"),
+            out, echo=lambda *_: None)
+
+
+def test_a_refused_resume_leaves_the_runs_ds_config_record(base_overrides, tmp_path):
+    """ds_config.json was written before the resume was checked: a refused one left its own
+    settings as the record of what the run's checkpoints were written with (review)."""
+    from lazytrain.integrations.deepspeed import check_available
+    if check_available():
+        pytest.skip(check_available())
+    out = tmp_path / "run"
+    base = [*base_overrides, "engine=deepspeed", "save_final_model=false", f"output_dir={out}"]
+    run(_cfg(*base, "job.max_steps=2", "stop_at_step=1"), out, echo=lambda *_: None)
+    before = (out / "ds_config.json").read_text()
+    with pytest.raises(ConfigError, match="cannot resume"):
+        run(_cfg(*base, "job.max_steps=2", "resume=true", "+deepspeed.zero_optimization.sub_group_size=1000"),
+            out, echo=lambda *_: None)
+    assert (out / "ds_config.json").read_text() == before
