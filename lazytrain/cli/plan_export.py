@@ -19,6 +19,22 @@ from ..integrations.ds_config import default_nvme_dir, ds_config_from_plan, pinn
 from ..plan.plan import Plan
 
 
+def _check_shape(cfg: dict) -> None:
+    """ValueError for --set values that break the config's structure (zero_optimization=5, an
+    offload section or lazytrain.recompute_blocks set to null): they were written, then crashed
+    the summary with a traceback (review)."""
+    z = cfg.get("zero_optimization")
+    if not isinstance(z, dict):
+        raise ValueError(f"zero_optimization must map DeepSpeed's ZeRO keys to values, got {z!r}")
+    for sec in ("offload_param", "offload_optimizer"):
+        if sec in z and not isinstance(z[sec], dict):
+            raise ValueError(f"zero_optimization.{sec} must map keys to values (device, ...), got {z[sec]!r}")
+    lt = cfg.get("lazytrain")
+    blocks = lt.get("recompute_blocks") if isinstance(lt, dict) else None
+    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        raise ValueError(f"lazytrain.recompute_blocks must be a list of block indices, got {blocks!r}")
+
+
 def _parse_set(items: list[str]) -> dict[str, Any]:
     """`a.b.c=VALUE` (VALUE parsed as JSON when it is JSON, else kept as a string) -> nested dict."""
     out: dict[str, Any] = {}
@@ -80,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg, dropped = ds_config_from_plan(plan, overrides=_parse_set(args.sets), nvme_dir=args.nvme_dir)
+        _check_shape(cfg)
     except ValueError as e:
         print(f"export-deepspeed: {e}", file=sys.stderr)
         return 2
@@ -95,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     z = cfg["zero_optimization"]
     print(f"wrote {out}: ZeRO-3, params -> {z.get('offload_param', {}).get('device', 'none')}, "
-          f"optimizer -> {z['offload_optimizer']['device']}, "
+          f"optimizer -> {z.get('offload_optimizer', {}).get('device', 'none')}, "
           f"recompute blocks {_compact(cfg['lazytrain']['recompute_blocks'])}")
     if args.nvme_dir is None and uses_nvme(cfg):
         print(f"note: NVMe offload writes to {default_nvme_dir()} (the default); --nvme-dir DIR puts it "

@@ -75,3 +75,17 @@ def test_export_writes_whole_sizes_and_says_how_it_clips(tmp_path, capsys):
     assert "gradient_clipping" not in cfg and "DeepSpeed clips at its default gradient_clipping=1.0" in text
     assert main([str(src), "--out", str(out), "--set", "gradient_clipping=0.5"]) == 0
     assert "clips at its default" not in capsys.readouterr().out
+
+
+def test_a_set_that_breaks_the_configs_structure_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """--set zero_optimization=5 (or an offload section / recompute_blocks set to null) was written,
+    then the summary crashed with a traceback (review)."""
+    src = tmp_path / "plan.json"
+    src.write_text(make_plan().to_json())
+    for i, bad in enumerate(["zero_optimization=5", "zero_optimization.offload_optimizer=null",
+                             "lazytrain.recompute_blocks=null"]):
+        out = tmp_path / f"o{i}.json"
+        assert main([str(src), "--out", str(out), "--set", bad]) == 2, bad
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("export-deepspeed: ") and len(err.splitlines()) == 1, err
+        assert not out.exists()
