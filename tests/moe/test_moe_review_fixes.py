@@ -576,12 +576,7 @@ def test_convert_model_refuses_a_model_whose_rotary_buffer_was_cast(tiny_moe, tm
     assert not (tmp_path / "cast" / "index.json").exists()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
     convert_model(loaded, tmp_path / "store")
-    eng = load_streamed(tmp_path / "store")
-    try:
-        ids = torch.tensor([PROMPT])
-        assert torch.equal(eng.model(ids).logits, loaded(ids).logits)
-    finally:
-        eng.close()
+    _assert_streamed_logits_equal(tmp_path / "store", loaded)
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "linear", "factor": 2.0}])
@@ -599,12 +594,15 @@ def test_convert_model_after_a_long_forward_with_dynamic_rope(tiny_moe, tmp_path
         model(torch.randint(0, 128, (1, 40)))        # longer than max_position_embeddings
     convert_model(model, tmp_path / "store")
     model.save_pretrained(tmp_path / "hf")
-    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    eng = load_streamed(tmp_path / "store")
-    try:
-        ids = torch.tensor([PROMPT])
-        assert torch.equal(eng.model(ids).logits, fresh(ids).logits)
-    finally:
-        eng.close()
+    _assert_streamed_logits_equal(tmp_path / "store", AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval())
     with pytest.raises(StoreError, match=r"rotary_emb.(original_)?inv_freq is bfloat16 where its module builds it float32"):
         convert_model(model.to(torch.bfloat16), tmp_path / "cast")
+
+
+def _assert_streamed_logits_equal(store, model):
+    eng = load_streamed(store)
+    try:
+        ids = torch.tensor([PROMPT])
+        assert torch.equal(eng.model(ids).logits, model(ids).logits)
+    finally:
+        eng.close()
