@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..plan.render import _gib_text, _rate_text
+from ..plan.render import gib_text, rate_text
 from ..spec import GiB, ModelConfigError
 from .config import ConfigError, hardware_spec, job_spec, load_config, model_spec, planner_options
 
@@ -187,8 +187,8 @@ def cmd_compare(args: list[str]) -> int:
         if plan.fits:
             # a MILP that ran out of time returns the best heuristic's plan: the row says so
             label = f"{method} (fallback: {_fallback_name(plan)})" if plan.solver.fell_back else method
-            rows.append((label, f"{plan.predicted.step_time_s:.4g}", _rate_text(plan.predicted.tokens_per_s),
-                         _gib_text(plan.predicted.peak_bytes['device']), "yes"))
+            rows.append((label, f"{plan.predicted.step_time_s:.4g}", rate_text(plan.predicted.tokens_per_s),
+                         gib_text(plan.predicted.peak_bytes['device']), "yes"))
             if plan.solver.fell_back:
                 why.append(f"{method}: {plan.solver.status_detail}")
         else:
@@ -231,7 +231,7 @@ def cmd_max_batch(args: list[str]) -> int:
         if b:
             p = plan_job(model, hw, replace(job, batch_size=b), opts, cache_dir=cache_dir,
                          use_cache=use_cache, method=method)
-            tps = _rate_text(p.predicted.tokens_per_s) if p.fits else "-"
+            tps = rate_text(p.predicted.tokens_per_s) if p.fits else "-"
         # the search stops at its cap: a batch there is a lower bound, not the largest
         # (a time limit that cut the search short leaves a lower bound too)
         shown = (f">= {b} (search cap)" if b >= MAX_BATCH_CAP else f">= {b} (time limit)" if cut else str(b))
@@ -246,7 +246,7 @@ def cmd_max_batch(args: list[str]) -> int:
         splits = best_split(model, hw, job, opts, global_batch, best["milp"])
         _table(f"global batch {global_batch}: micro-batch x accumulation, fastest first",
                ("micro-batch", "grad_accum", "step s", "tokens/s"),
-               [(str(b), str(g), f"{p.predicted.step_time_s:.4g}", _rate_text(p.predicted.tokens_per_s))
+               [(str(b), str(g), f"{p.predicted.step_time_s:.4g}", rate_text(p.predicted.tokens_per_s))
                 for b, g, p in splits])
     if not best["milp"] and not cut_short:   # (the table alone said 0 without a reason: review)
         one = plan_job(model, hw, replace(job, batch_size=1), opts, cache_dir=cache_dir, use_cache=use_cache)

@@ -320,15 +320,10 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
             if not os.path.exists(out):
                 # a sweep named before 2026-12-01: its keys in the command line's order, and config
                 # groups by the whole config they select; the same order finds hashed names too
-                for by in (choices, None):
-                    for ordered in (True, False):
-                        old = os.path.join(root, _sweep_subdir(cfg, keys, hc.job.num, ordered=ordered, choices=by))
-                        if os.path.isdir(old) or (old := _named_earlier(root, os.path.basename(old))):
-                            out = old
-                            break
-                    else:
-                        continue
-                    break
+                names = (os.path.join(root, _sweep_subdir(cfg, keys, hc.job.num, ordered=o, choices=by))
+                         for by in (choices, None) for o in (True, False))
+                out = next((d for n in names
+                            if (d := n if os.path.isdir(n) else _named_earlier(root, os.path.basename(n)))), out)
         if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not cfg.output_dir:
             # Hydra's default run dir is named from each process's clock: ranks could disagree
             status["rc"] = _error("a multi-process launch needs output_dir=DIR, one directory every "

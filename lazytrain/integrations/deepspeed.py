@@ -327,25 +327,27 @@ def _resync_cpu_adam(engine: Any) -> None:
     from step t+2 on. Replaying the t increments on a 1-element dummy rebuilds the same product.
     """
     basic = getattr(getattr(engine, "optimizer", None), "optimizer", None)
-    if basic is not None and hasattr(basic, "multi_tensor_adam") and not torch.cuda.is_available():
-        # The optimizer not offloaded (offload_optimizer none: LoRA's plans here) is FusedAdam,
-        # whose CPU build runs the same C++ Adam with the same running products: resumed LoRA
-        # losses were 2e-4 off an uninterrupted run's from the second step on (review).
-        steps = [int(s["step"]) for s in basic.state.values() if isinstance(s, dict) and "step" in s]
-        g = basic.param_groups[0]
-        beta1, beta2 = g["betas"]
-        p, grad, m, v = (torch.zeros(1) for _ in range(4))
-        for t in range(1, (max(steps) if steps else 0) + 1):
-            basic.multi_tensor_adam(2048 * 32, basic._dummy_overflow_buf, [[grad], [p], [m], [v]], 0.0, beta1,
-                                    beta2, g["eps"], t, basic.adam_w_mode, 1 if g["bias_correction"] else 0, 0.0)
+    fused = hasattr(basic, "multi_tensor_adam") and not torch.cuda.is_available()
+    if basic is None or not (fused or hasattr(basic, "ds_opt_adam")):
         return
-    if basic is None or not hasattr(basic, "ds_opt_adam"):
-        return
-    steps = [int(s["step"]) for s in basic.state.values() if isinstance(s, dict) and "step" in s]
-    n = max(steps) if steps else int(getattr(engine, "global_steps", 0))
     g = basic.param_groups[0]
     beta1, beta2 = g["betas"]
     p, grad, m, v = (torch.zeros(1) for _ in range(4))
+    steps = [int(s["step"]) for s in basic.state.values() if isinstance(s, dict) and "step" in s]
+    if fused:
+        # The optimizer not offloaded (offload_optimizer none: LoRA's plans here) is FusedAdam,
+        # whose CPU build runs the same C++ Adam with the same running products: resumed LoRA
+        # losses were 2e-4 off an uninterrupted run's from the second step on (review).
+        n = max(steps) if steps else 0
+
+        def replay(t: int) -> None:
+            basic.multi_tensor_adam(2048 * 32, basic._dummy_overflow_buf, [[grad], [p], [m], [v]], 0.0, beta1,
+                                    beta2, g["eps"], t, basic.adam_w_mode, 1 if g["bias_correction"] else 0, 0.0)
+    else:
+        n = max(steps) if steps else int(getattr(engine, "global_steps", 0))
+
+        def replay(t: int) -> None:
+            basic.ds_opt_adam.adam_update(basic.opt_id, t, 0.0, beta1, beta2, g["eps"], 0.0,
+                                          g.get("bias_correction", True), p, grad, m, v)
     for t in range(1, n + 1):   # lr 0 on a dummy: only the running beta products change
-        basic.ds_opt_adam.adam_update(basic.opt_id, t, 0.0, beta1, beta2, g["eps"], 0.0,
-                                      g.get("bias_correction", True), p, grad, m, v)
+        replay(t)

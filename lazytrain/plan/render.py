@@ -38,17 +38,17 @@ def optimizer_state_label(job) -> str:
     return "fp32 master + moments"
 
 
-def _gib_text(nbytes: float) -> str:
+def gib_text(nbytes: float) -> str:
     """GiB with 2 decimals, or 4 significant digits below 1 GiB (a 0.0461 GiB peak read '0.05
     GiB (budget 0.0462)': over the budget it fits; review)."""
     x = nbytes / GiB
     return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4g}"
 
 
-def _peak_text(nbytes: float, budget_gib: float) -> str:
-    """`_gib_text`, with more decimals where its rounding would put a peak that fits above its
+def peak_text(nbytes: float, budget_gib: float) -> str:
+    """`gib_text`, with more decimals where its rounding would put a peak that fits above its
     budget ('7.66 GiB (budget 7.6553)' for 7.6553 GiB; review)."""
-    text = _gib_text(nbytes)
+    text = gib_text(nbytes)
     x = nbytes / GiB
     for d in range(3, 8):
         if x > budget_gib or float(text) <= budget_gib:
@@ -57,7 +57,7 @@ def _peak_text(nbytes: float, budget_gib: float) -> str:
     return text
 
 
-def _rate_text(r: float) -> str:
+def rate_text(r: float) -> str:
     return f"{r:,.0f}" if r >= 10 else f"{r:.3g}"   # (a 405B step printed '0 tokens/s')
 
 
@@ -71,14 +71,14 @@ def summary_lines(plan: Plan) -> list[str]:
         f"job {j.mode}  batch {j.batch_size} x seq {j.seq_len}  accum {j.grad_accum}  {j.compute_dtype}  "
         f"optimizer state {optimizer_state_label(j)}",
         f"status {plan.status}  solver {plan.solver.name}  gap {gap}  solve {plan.solver.wall_s:.2f} s",
-        f"predicted step {p.step_time_s:.4g} s  ({_rate_text(p.tokens_per_s)} tokens/s)  compute {p.compute_s:.4g} s  "
+        f"predicted step {p.step_time_s:.4g} s  ({rate_text(p.tokens_per_s)} tokens/s)  compute {p.compute_s:.4g} s  "
         f"recompute {p.recompute_s:.4g} s  "
         + (f"optimizer (not overlapped) {p.serial_optimizer_s:.4g} s  " if p.serial_optimizer_s else "")
         + (f"optimizer (not hidden) {p.exposed_optimizer_s:.4g} s  " if p.exposed_optimizer_s else "")
         + f"exposed transfers {p.exposed_transfer_s:.4g} s",
-        f"peaks  device {_peak_text(pk['device'], plan.hardware.device_memory_gib)} GiB "
+        f"peaks  device {peak_text(pk['device'], plan.hardware.device_memory_gib)} GiB "
         f"(budget {plan.hardware.device_memory_gib:g})  "
-        f"host {_gib_text(pk['host'])} GiB  nvme {_gib_text(pk['nvme'])} GiB",
+        f"host {gib_text(pk['host'])} GiB  nvme {gib_text(pk['nvme'])} GiB",
     ]
     if plan.solver.fell_back:   # the MILP timed out and a heuristic's plan is returned
         lines.insert(3, f"note   {plan.solver.status_detail}")

@@ -122,6 +122,13 @@ class Preflight:
     eval_dataset: PackedDataset | None = None   # data.eval_files / data.eval_fraction
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing one of `path` and its parents when it is not a directory (a dir
+    cannot be made there), else None."""
+    above = next((a for a in (path, *path.absolute().parents) if a.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
     """Data files and tokenizer dir; builds the built-in corpus/tokenizer when asked."""
     d = cfg.data
@@ -142,8 +149,7 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
             raise ConfigError("data.cache_dir is empty: the built-in corpus and tokenizer need a dir "
                               "to be built in (the default: ~/.cache/lazytrain/demo-data)")
         cache = Path(str(d.cache_dir)).expanduser()
-        above = next((a for a in (cache, *cache.absolute().parents) if a.exists()), None)
-        if above is not None and not above.is_dir():   # (a NotADirectoryError traceback; review)
+        if (above := file_in_the_way(cache)) is not None:   # (a NotADirectoryError traceback; review)
             raise ConfigError(f"data.cache_dir {cache} cannot be made: {above} is a file, not a directory")
         train_txt, _ = build_corpus(cache / "corpus")
         tok_dir = d.get("tokenizer") or build_tokenizer(
@@ -376,10 +382,9 @@ def run_settings(cfg: DictConfig) -> None:
     out = cfg.get("output_dir")
     if out and Path(str(out)).expanduser().is_file():
         raise ConfigError(f"output_dir {out} is a file, not a directory")
-    if out:   # (one under a file was a NotADirectoryError traceback from Hydra; review)
-        above = next((a for a in Path(str(out)).expanduser().absolute().parents if a.exists()), None)
-        if above is not None and not above.is_dir():
-            raise ConfigError(f"output_dir {out} cannot be made: {above} is a file, not a directory")
+    if out and (above := file_in_the_way(Path(str(out)).expanduser())) is not None:
+        # (one under a file was a NotADirectoryError traceback from Hydra; review)
+        raise ConfigError(f"output_dir {out} cannot be made: {above} is a file, not a directory")
 
 
 def optim_settings(cfg: DictConfig) -> dict[str, Any]:

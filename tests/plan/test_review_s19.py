@@ -119,10 +119,10 @@ def test_min_device_bytes_says_a_time_limit_with_its_int_sentinel():
 
 
 def test_peak_text_never_reads_above_a_budget_it_fits():
-    from lazytrain.plan.render import _peak_text
+    from lazytrain.plan.render import peak_text
 
-    assert float(_peak_text(7.655296 * GiB, 7.6553)) <= 7.6553       # ('7.66 (budget 7.6553)')
-    assert _peak_text(5 * GiB, 24) == "5.00" and _peak_text(30 * GiB, 24) == "30.00"
+    assert float(peak_text(7.655296 * GiB, 7.6553)) <= 7.6553       # ('7.66 (budget 7.6553)')
+    assert peak_text(5 * GiB, 24) == "5.00" and peak_text(30 * GiB, 24) == "30.00"
 
 
 def test_compare_and_max_batch_rates_keep_their_digits(capsys):
