@@ -221,7 +221,9 @@ class StreamingExecutor:
         self.n_layers = len(names)
         self.decisions = list(plan.layers)
         self.lora = hasattr(model, "peft_config")
-        if optimizer == "adamw8bit" and not self.lora and any(d.optimizer_tier != "host" for d in self.decisions):
+        # the layers' moments live in AdamW8bit (8-bit, host), not in their LayerTrainState
+        layers_8bit = optimizer == "adamw8bit" and not self.lora
+        if layers_8bit and any(d.optimizer_tier != "host" for d in self.decisions):
             # (before any storage is made: refused late, the weights were already written to NVMe)
             raise ValueError("optimizer=adamw8bit keeps its 8-bit states on the host; the plan puts "
                              "optimizer state on nvme")
@@ -472,6 +474,7 @@ class StreamingExecutor:
                 self.acct.alloc(p.nbytes, "adapters")
 
     def _init_optimizer(self, optimizer: str) -> None:
+        layers_8bit = optimizer == "adamw8bit" and not self.lora   # (their moments live in AdamW8bit)
         self.states: list[LayerTrainState | None] = []
         self.opt8 = None
         staging = (StagingSets(NVME_STATE_SETS) if any(
@@ -487,7 +490,7 @@ class StreamingExecutor:
                                      if (self.master_dtype == lay.layout.dtype and d.param_tier == "host"
                                          and d.optimizer_tier == "host") else None,
                                      staging=staging, state_io=self.state_io,
-                                     moments=not (optimizer == "adamw8bit" and not self.lora))
+                                     moments=not layers_8bit)
                 st.init_master(lay.extra["init_values"])
                 st.track_norms = self._deferred
             self.states.append(st)
@@ -500,7 +503,7 @@ class StreamingExecutor:
         self._update_order = upd if self._deferred else upd[::-1]
         self._staged_order = [i for i in self._update_order if self.states[i].staging is not None]
         self._staged_pos = {i: k for k, i in enumerate(self._staged_order)}
-        if optimizer == "adamw8bit" and not self.lora:
+        if layers_8bit:
             try:
                 from ..optim import AdamW8bit  # type: ignore[attr-defined]
             except ImportError:
