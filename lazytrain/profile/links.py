@@ -192,7 +192,8 @@ def measure_host_optimizer(job, numel: int = 1 << 24, repeats: int = 5) -> float
     parts = [numel // 4] * 3 + [numel - 3 * (numel // 4)]
     if job.optimizer_state_bits == 8:
         p = torch.nn.Parameter(master)
-        opt = AdamW8bit([p], lr=1e-4)
+        # weight decay 0: the executor's default, as in the fp32 branch (the kernel then skips its multiply)
+        opt = AdamW8bit([p], lr=1e-4, weight_decay=0.0)
 
         def update() -> None:
             p.grad = grad
