@@ -28,7 +28,9 @@ class GenerateResult:
         stats = self.stats.to_json()
         stats.update(prefill_tokens=self.prefill_stats.tokens,
                      prefill_tokens_per_s=self.prefill_stats.tokens_per_s,
-                     prefill_bytes=int(self.prefill_stats.bytes_per_token * self.prefill_stats.tokens))
+                     # the count itself (bytes_per_token x tokens came out 1 byte short: a review)
+                     prefill_bytes=self.prefill_stats.extra.get(
+                         "bytes_read", round(self.prefill_stats.bytes_per_token * self.prefill_stats.tokens)))
         return {"token_ids": self.token_ids, "text": self.text, "stats": stats}
 
 

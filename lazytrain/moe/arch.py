@@ -107,8 +107,9 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
     return layers
 
 
-def build_meta_model(hf_config: dict | object) -> nn.Module:
-    """The causal LM for `hf_config` with every parameter on the meta device (no memory)."""
+def build_meta_model(hf_config: dict | object, dtype: torch.dtype | None = None) -> nn.Module:
+    """The causal LM for `hf_config` with every parameter on the meta device (no memory), built in
+    the config's dtype, or in `dtype` as `from_pretrained(..., dtype=dtype)` builds it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = hf_config
@@ -116,5 +117,29 @@ def build_meta_model(hf_config: dict | object) -> nn.Module:
         d = decode_json_floats(dict(hf_config))
         cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg, **({} if dtype is None else {"dtype": dtype}))
     return model.eval()
+
+
+def config_dtype(hf_config: dict) -> torch.dtype | None:
+    """The dtype config.json names (`dtype`, or the older `torch_dtype`), which `from_pretrained`
+    loads the weights in by default (dtype="auto"); None when it names none."""
+    for key in ("dtype", "torch_dtype"):
+        name = hf_config.get(key)
+        if isinstance(name, str) and isinstance(getattr(torch, name.removeprefix("torch."), None), torch.dtype):
+            return getattr(torch, name.removeprefix("torch."))
+    return None
+
+
+def load_dtypes(hf_config: dict, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype `from_pretrained(..., dtype=dtype)` gives each floating state-dict entry, whatever
+    the checkpoint stores: `dtype`, except what the model's code makes in another dtype and its
+    `_keep_in_fp32_modules(_strict)` (fp32 under fp16; the strict ones under bf16 too)."""
+    model = build_meta_model(hf_config, dtype)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    pats = [(re.compile(str(glob).replace("*", ".*")), d) for glob, d in plan.items()]
+    out = {}
+    for k, v in model.state_dict().items():
+        if v.is_floating_point():
+            out[k] = next((d for pat, d in pats if pat.search(k)), v.dtype)
+    return out

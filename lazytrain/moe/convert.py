@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import MoeLayer, build_meta_model, find_moe_layers
+from .arch import MoeLayer, build_meta_model, config_dtype, find_moe_layers
 from ..spec.model import decode_json_floats
 from .store import COPIED_FILES, ExpertStore, StoreError, StoreMismatchError, StoreWriter
 
@@ -167,7 +167,10 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
     expected = set(meta.state_dict().keys())
     non_expert, fused, split = _locate(src, meta, layers)
 
-    dtype = _expert_dtype(fused, split)
+    # The experts are stored in the dtype from_pretrained loads the model in (the config's; without
+    # one, the checkpoint's first floating tensor's): an fp32 checkpoint whose config says bf16 runs
+    # in bf16 there, and did in fp32 here before 2026-12-01 (a review).
+    dtype = config_dtype(hf_config) or _first_float_dtype(src)
     if dtype is not None and dtype != next(iter(layers[0].experts.parameters())).dtype:
         meta = meta.to(dtype)              # meta tensors: a change of label, no memory
         layers = find_moe_layers(meta)
@@ -177,17 +180,19 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
     if missing:
         raise StoreError(f"{src}: checkpoint lacks {len(missing)} weights the model needs, "
                          f"e.g. {', '.join(missing[:3])}")
-    # every expert's weights found before anything is written (a missing one, found at its layer,
-    # left the layers before it behind in `out`)
-    for ml in layers:
-        for e in range(ml.num_experts):
-            for t in ml.tensors:
-                if (ml.experts_name, t.name) not in fused and _split_parts(ml, e, t.name, split) is None:
-                    raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
-                                     "(neither fused nor per-expert keys found)")
+    files = _OpenShards()   # each shard's header is parsed once, not once per tensor
+    try:
+        # every expert's weights found, in their shapes, before anything is written (a missing or
+        # misshapen one, found at its layer, left the layers before it behind in `out`)
+        for ml in layers:
+            for e in range(ml.num_experts):
+                for t in ml.tensors:
+                    _check_expert_shape(ml, e, t, fused, split, src, files)
+    except BaseException:
+        files.clear()
+        raise
 
     writer = StoreWriter(out_dir, hf_config)
-    files = _OpenShards()   # each shard's header is parsed once, not once per tensor
     try:
         for ml in layers:
             writer.write_layer(ml, _expert_reader(ml, fused, split, src, files))
@@ -199,13 +204,39 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return writer.close()
 
 
-def _expert_dtype(fused: dict, split: dict) -> torch.dtype | None:
-    from safetensors import safe_open
-
-    for shard, key in list(fused.values())[:1] + list(split.values())[:1]:
-        with safe_open(str(shard), "pt") as f:
-            return f.get_slice(key)[:1].dtype
+def _first_float_dtype(src: Path) -> torch.dtype | None:
+    """transformers' dtype="auto" without a config dtype: the first floating tensor of the first
+    checkpoint file, in its key order (get_state_dict_dtype)."""
+    with _safe_open(_shards(src)[0]) as f:
+        for key in f.keys():
+            dt = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+            if dt is not None and dt.is_floating_point:
+                return dt
     return None
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _check_expert_shape(ml: MoeLayer, e: int, t, fused: dict, split: dict, src: Path,
+                        files: "_OpenShards") -> None:
+    """StoreError unless expert e's tensor t is in the checkpoint with the model's shape."""
+    where = f"{src}: {ml.experts_name} expert {e} {t.name}"
+    if (ml.experts_name, t.name) in fused:
+        shard, key = fused[(ml.experts_name, t.name)]
+        got = tuple(files[shard].get_slice(key).get_shape())
+        if got != (ml.num_experts, *t.shape):
+            raise StoreError(f"{where}: {key} is {list(got)}, the model's is {[ml.num_experts, *t.shape]}")
+        return
+    hits = _split_parts(ml, e, t.name, split)
+    if hits is None:
+        raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
+                         "(neither fused nor per-expert keys found)")
+    shapes = [tuple(files[shard].get_slice(key).get_shape()) for shard, key in hits]
+    rows = sum(sh[0] for sh in shapes if sh)
+    if any(len(sh) != len(t.shape) or sh[1:] != t.shape[1:] for sh in shapes) or rows != t.shape[0]:
+        raise StoreError(f"{where}: {', '.join(k for _, k in hits)} are {[list(sh) for sh in shapes]}, "
+                         f"which do not make the model's {list(t.shape)}")
 
 
 def _safe_open(shard: Path):
@@ -234,13 +265,16 @@ def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path, files: _Op
             if (ml.experts_name, t.name) in fused:
                 shard, key = fused[(ml.experts_name, t.name)]
                 out[t.name] = files[shard].get_slice(key)[e]   # reads only expert e's rows
-                continue
-            hits = _split_parts(ml, e, t.name, split)
-            if hits is None:
-                raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
-                                 "(neither fused nor per-expert keys found)")
-            parts = [files[shard].get_tensor(key) for shard, key in hits]
-            out[t.name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            else:
+                hits = _split_parts(ml, e, t.name, split)
+                if hits is None:
+                    raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
+                                     "(neither fused nor per-expert keys found)")
+                parts = [files[shard].get_tensor(key) for shard, key in hits]
+                out[t.name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            # in the model's dtype, as from_pretrained casts them (one stored in another was
+            # refused mid-write before 2026-12-01, after the old store was gone: a review)
+            out[t.name] = out[t.name].to(getattr(torch, t.dtype))
         return out
 
     return read

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .arch import MoeLayer, NotMoeModelError, build_meta_model, find_moe_layers
+from .arch import MoeLayer, NotMoeModelError, build_meta_model, find_moe_layers, load_dtypes
 from .cache import ExpertCache
 from .convert import check_store_source, read_hf_config
 from .policies import Forecast, make_policy
@@ -383,7 +383,7 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
                              "reconvert") from None
         # The experts' dtype is the model's: the first floating tensor of the file may be one HF
         # keeps in fp32 in a bf16 checkpoint (glm4_moe, dots1, ernie4_5_moe keep their router
-        # weights so; safetensors orders tensors by dtype). assign=True below keeps those as saved.
+        # weights so; safetensors orders tensors by dtype).
         dtype = getattr(torch, store.layers[0].tensors[0].dtype) if store.layers else \
             next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
         model = model.to(dtype)
@@ -399,6 +399,13 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         if model_path is not None:
             # model.path's weights are never loaded (the store's are): refuse a store of others
             check_store_source(src, store, model)
+        # Each weight in the dtype from_pretrained gives it (assign=True keeps a tensor's own):
+        # a checkpoint may store some in another (fp32 norms or router in a bf16 checkpoint,
+        # which from_pretrained casts; until 2026-12-01 a dtype error mid-generate, a review),
+        # and what HF keeps in fp32 stays so.
+        want = load_dtypes(hf_config, dtype)
+        sd = {k: v.to(want[k]) if k in want and v.is_floating_point() and v.dtype != want[k] else v
+              for k, v in sd.items()}
         model.load_state_dict(sd, strict=False, assign=True)
         if getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()

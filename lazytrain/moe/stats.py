@@ -67,7 +67,7 @@ class MoeStats:
             tokens_per_s=c.tokens / c.wall_s if c.wall_s > 0 else 0.0,
             cache_slots=cache_slots, cache_fraction=cache_slots / max(total_experts, 1),
             cache_bytes=cache_slots * slot_bytes, tokens=c.tokens, io_mode=io_mode,
-            extra={"demand": c.demand, "late": c.late, "misses": c.misses,
+            extra={"demand": c.demand, "late": c.late, "misses": c.misses, "bytes_read": c.bytes_read,
                    "prefetch_issued": c.prefetch_issued, "prefetch_dropped": c.prefetch_dropped,
                    "host_hits": c.host_hits, "host_prefetches": c.host_prefetches,
                    "host_bytes_per_token": c.host_bytes / t},

@@ -185,10 +185,18 @@ class StoreWriter:
                  "config_crc32": zlib.crc32(config),
                  "layers": [lr.to_json() for lr in self.layers],
                  "non_expert": self.non_expert}
+        index["records_crc32"] = _records_crc(index)
         tmp = self.dir / (INDEX + ".tmp")
         tmp.write_text(json.dumps(index, indent=1))
         tmp.replace(self.dir / INDEX)
         return self.dir
+
+
+def _records_crc(index: dict) -> int:
+    """Checksum of an index's layer records and non-expert entry (files, dtypes, shapes, offsets,
+    record crcs), in a canonical form."""
+    rec = {"layers": index.get("layers"), "non_expert": index.get("non_expert")}
+    return zlib.crc32(json.dumps(rec, sort_keys=True, separators=(",", ":")).encode())
 
 
 class ExpertStore:
@@ -207,6 +215,8 @@ class ExpertStore:
             index = json.loads(idx.read_text())
         except json.JSONDecodeError as e:
             raise StoreError(f"{idx}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(index, dict):   # (an AttributeError traceback before 2026-12-01)
+            raise StoreError(f"{idx}: malformed (a JSON {type(index).__name__}, not an object); reconvert")
         if index.get("format") != FORMAT or index.get("version") != VERSION:
             raise StoreError(f"{idx}: format {index.get('format')!r} v{index.get('version')} is not "
                              f"{FORMAT} v{VERSION}; reconvert the model")
@@ -216,6 +226,12 @@ class ExpertStore:
             self.non_expert = None if ne is None else {"bytes": int(ne["bytes"]), "crc32": int(ne["crc32"])}
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(f"{idx}: malformed ({type(e).__name__}: {e}); reconvert") from None
+        want = index.get("records_crc32")   # (stores converted before 2026-12-01 have none)
+        if want is not None and _records_crc(index) != want:
+            # (after the checks of their structure) an edited file name or dtype changed the tokens
+            # silently before (a review)
+            raise StoreMismatchError(f"{idx}: its layer records are not the ones written (checksum differs: "
+                                     "edited?); reconvert")
         self.model_type = index.get("model_type")
         cfg_path = self.dir / "config.json"
         try:
