@@ -124,8 +124,26 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
                               f"--multirun to sweep over it)") from None
         hint = [x for x in lines[1:2] if x.startswith("To append")]
         raise ConfigError(" ".join(lines[:1] + hint)) from None
+    _check_group_nodes(cfg, overrides)
     check_bool_settings(cfg)
     return cfg
+
+
+def _check_group_nodes(cfg: DictConfig, overrides: list[str]) -> None:
+    """ConfigError for a config group whose chosen file is not a mapping of settings (a
+    measured.yaml that holds `[1, 2]` was an omegaconf traceback: a review)."""
+    from omegaconf import DictConfig as _Dict
+
+    for d in sorted(p for p in config_dir().iterdir() if p.is_dir()):
+        node = cfg.get(d.name) if isinstance(cfg, _Dict) else None
+        if node is None or isinstance(node, _Dict):
+            continue
+        choice = next((o.split("=", 1)[1] for o in reversed(overrides)
+                       if o.lstrip("+").split("=", 1)[0] == d.name and "=" in o), None)
+        f = d / f"{choice}.yaml" if choice else f"{d.name}'s default file in {d}"
+        raise ConfigError(f"{f} holds a {type(node).__name__.removesuffix('Config').lower()}, not a mapping "
+                          "of settings; fix or remove it"
+                          + ("; `lazytrain profile` writes it afresh" if choice == "measured" else ""))
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -147,6 +165,15 @@ def model_hf_config(cfg: DictConfig) -> dict[str, Any]:
 
 def hardware_spec(cfg: DictConfig) -> HardwareSpec:
     d = OmegaConf.to_container(cfg.hardware, resolve=True)
+    if d.get("name") == "measured":
+        # `lazytrain profile` writes every field: one missing means a file cut short, which the
+        # defaults silently filled (a CPU device planned as a GPU: a review)
+        from dataclasses import fields
+        lack = [f.name for f in fields(HardwareSpec) if f.name not in d]
+        if lack:
+            raise ConfigError(f"hardware: the measured profile lacks {', '.join(lack)} (cut short, or written by an "
+                              "older lazytrain); run `lazytrain profile` again to refresh "
+                              "configs/hardware/measured.yaml")
     try:
         return HardwareSpec.from_dict(d)
     except (TypeError, ValueError) as e:

@@ -111,6 +111,13 @@ def _write_outputs(plan, json_path: str | None, plot_path: str | None) -> list[s
             f.unlink(missing_ok=True)
         what = f" {e.filename}" if getattr(e, "filename", None) else ""
         raise ConfigError(f"cannot write{what}: {e.strerror or e}; nothing written") from None
+    except (RuntimeError, ValueError) as e:
+        # a format matplotlib lists but cannot write here (pgf without xelatex): a traceback before
+        for f in done:
+            f.unlink(missing_ok=True)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--plot {plot_path}: matplotlib cannot write it here ({msg}); nothing written; "
+                          "use another format (.png, .svg, .pdf)") from None
     return [str(f) for f in done]
 
 
@@ -151,7 +158,7 @@ def cmd_show(args: list[str]) -> int:
 
 
 def cmd_trace(args: list[str]) -> int:
-    from ..plan.tracecmp import TRANSFERS, compare_run
+    from ..plan.tracecmp import TRANSFERS, compare_run, step_ranges
     if len(args) != 1:
         raise ConfigError("usage: lazytrain plan trace RUN_DIR  (a `lazytrain train` output_dir)")
     c = compare_run(args[0])
@@ -165,8 +172,7 @@ def cmd_trace(args: list[str]) -> int:
             for r in c.rows]
     rows.append(("step", f"{c.predicted_step_s:.4f}", "-" if c.measured_step_s is None else f"{c.measured_step_s:.4f}",
                  ratio(c.measured_step_s, c.predicted_step_s), "", ""))
-    a, b = c.first_step + c.steps[0], c.first_step + c.steps[-1]
-    steps = f"steps {a}..{b}" if b > a else f"step {a}"
+    steps = ("steps " if len(c.steps) > 1 else "step ") + step_ranges(c.first_step + s for s in c.steps)
     _table(f"{args[0]}: busy seconds and MiB per step, median over {steps}",
            ("kind", "predicted s", "measured s", "measured/pred", "predicted MiB", "measured MiB"), rows)
     for note in c.notes:
@@ -210,7 +216,8 @@ def cmd_compare(args: list[str]) -> int:
 def _fallback_name(plan) -> str:
     """The heuristic a timed-out MILP returned, from its status line ('... best heuristic (X) returned')."""
     d = plan.solver.status_detail
-    return d.rsplit("(", 1)[-1].split(")", 1)[0] if "(" in d else "heuristic"
+    name = d.split("best heuristic (", 1)[1].split(")", 1)[0] if "best heuristic (" in d else "heuristic"
+    return f"{name}, tiers improved" if "tiers then made faster" in d else name
 
 
 MAX_BATCH_CAP = 4096   # plan max-batch searches up to this micro-batch

@@ -26,7 +26,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-layers", action="store_true", help="skip the per-layer model timing")
     p.add_argument("--out", default=None, help="YAML to write (default: configs/hardware/measured.yaml)")
-    return p.parse_args(argv), []
+    return p.parse_intermixed_args(argv), []   # (overrides after an option were refused: a review)
 
 
 def _names_a_model(overrides: list[str]) -> bool:

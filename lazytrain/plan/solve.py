@@ -19,7 +19,7 @@ from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .cache import PlanCache
 from .heuristics import HEURISTICS, heuristic_pins
 from .milp import FREE_RESOLVE_S, MilpResult, Pins, solve_milp
-from .render import optimizer_state_label
+from .render import optimizer_state_label, peak_text
 from .plan import FALLBACK_DETAIL, SCHEMA_VERSION, LayerDecision, Plan, PlannerOptions, Predicted, SolverInfo, input_hash
 from .ops import FWD, HEAD, head_peak_bytes, op_sequence
 from .simulate import Timeline, memory_peaks, simulate
@@ -171,6 +171,9 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     assert a is not None
     if method == "milp":  # equally fast but simpler: fewer transfers, faster tiers (simplify.py)
         a = simplify(costs, a, hw, depth=options.prefetch_depth)
+        if r.detail.startswith(FALLBACK_DETAIL) and a != r.assignment:
+            # (it read as the heuristic's own plan, which `plan compare` shows slower: a review)
+            r = replace(r, detail=f"{r.detail}, its tiers then made faster by simplify")
     tl = simulate(costs, a, hw, depth=options.prefetch_depth)
     decisions: list[LayerDecision] = []
     seg_of: dict[int, tuple] = {}
@@ -279,6 +282,12 @@ def _gib(n: float, up: bool = False) -> str:
     return f"{_up(n, unit) if up else n / unit:.2f} {name}"
 
 
+def _budget(hw: HardwareSpec) -> str:
+    """The device budget as the user set it (`_gib` made 0.006 GiB "0.01 GiB", next to a need of
+    0.00849 GiB: a review)."""
+    return f"{hw.device_memory_gib:g} GiB"
+
+
 def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
     lines: list[str] = []
     blocks = [d for d in plan.layers if d.kind == "block"]
@@ -323,7 +332,8 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
         lines.append("the device is the CPU: host<->device copies are memcpys by the computing cores "
                      "(they add to the step), NVMe reads land in device memory")
     dev = plan.predicted.peak_bytes["device"]
-    lines.append(f"device peak {_gib(dev)} of {_gib(plan.hardware.device_memory_bytes)} budget"
+    lines.append(f"device peak {peak_text(dev, plan.hardware.device_memory_gib)} GiB of "
+                 f"{_budget(plan.hardware)} budget"
                  + _peak_where(plan, costs))
     return lines
 
@@ -657,7 +667,7 @@ def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         host, nvme = _least_host_and_nvme(model, hw, job, options, method)
         # what the planner gives the host: less the reserve and, for a CPU device, its budget
         cap = hw.host_capacity_bytes
-        usable = f"{_gib(cap)} usable" + (f" after the CPU device's {_gib(hw.device_memory_bytes)}"
+        usable = f"{_gib(cap)} usable" + (f" after the CPU device's {_budget(hw)}"
                                           if hw.device_type == "cpu" else "")
         if host > cap:
             where = ("even with everything that may live on NVMe there" if options.allow_nvme else
@@ -675,12 +685,12 @@ def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         best = max_batch(model, hw, replace(job, batch_size=1), options, method, limit=job.batch_size - 1,
                          report=cut)
     if best:
-        tail = f"the largest batch that fits {_gib(hw.device_memory_bytes)} is {best} (job.batch_size={best})"
+        tail = f"the largest batch that fits {_budget(hw)} is {best} (job.batch_size={best})"
         if cut:
-            tail = (f"batch {best} fits {_gib(hw.device_memory_bytes)} (job.batch_size={best}; larger ones "
+            tail = (f"batch {best} fits {_budget(hw)} (job.batch_size={best}; larger ones "
                     f"were cut short by planner.time_limit_s)")
     elif cut:
-        tail = (f"no batch was found to fit {_gib(hw.device_memory_bytes)} before planner.time_limit_s ran "
+        tail = (f"no batch was found to fit {_budget(hw)} before planner.time_limit_s ran "
                 f"out (raise it to know)")
     else:
         # whether any sequence length would do: the weights' streaming buffers and the workspace
@@ -688,12 +698,12 @@ def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         shortest = replace(job, batch_size=1, seq_len=min(job.seq_len, SHORTEST_SEQ))
         floor = min_device_bytes(model, hw, shortest, options, method) if shortest != job else need
         if floor != TIMED_OUT and (floor is None or floor > hw.device_memory_bytes):   # (timed out: unknown)
-            tail = (f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}, nor would any sequence length "
+            tail = (f"even batch 1 does not fit {_budget(hw)}, nor would any sequence length "
                     + (f"(job.seq_len={shortest.seq_len} needs {_up_setting(floor)[1]} GiB: streaming buffers and "
                        f"workspace)" if floor is not None else "")
                     + ": add device memory")
         else:
-            tail = f"even batch 1 does not fit {_gib(hw.device_memory_bytes)}: shorten job.seq_len or add device memory"
+            tail = f"even batch 1 does not fit {_budget(hw)}: shorten job.seq_len or add device memory"
     tail += _other_device_fixes(model, hw, job, options, method, need)
     need_gib, need_txt = _up_setting(need)  # rounded up: the suggested setting must fit
     setting = f"hardware.device_memory_gib={need_txt}"

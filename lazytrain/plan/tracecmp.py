@@ -67,8 +67,9 @@ def _key(kind: str, what: str) -> str:
 
 
 def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], dict[str, int], tuple[int, ...]]:
-    """Median busy seconds and bytes per kind over a trace's steps (the first, a warm-up, left out
-    when there are others)."""
+    """Median busy seconds and bytes per kind over a trace's steps (the first of each process, a
+    warm-up, left out when there are others: the run's first and each resume's, which a
+    `resume` marker names)."""
     secs: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     nbytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for e in events:
@@ -79,11 +80,23 @@ def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], di
         nbytes[e["step"]][k] += int(e.get("bytes", 0))
     steps = sorted(secs)
     if skip_first and len(steps) > 1:
-        steps = steps[1:]
+        warm = {steps[0]} | {e.get("first_step") for e in events if e["kind"] == "resume"}
+        steps = [s for s in steps if s not in warm] or steps[1:]
     kinds = {k for s in steps for k in secs[s]}
     med_s = {k: statistics.median(secs[s].get(k, 0.0) for s in steps) for k in kinds}
     med_b = {k: int(statistics.median(nbytes[s].get(k, 0) for s in steps)) for k in kinds}
     return med_s, med_b, tuple(steps)
+
+
+def step_ranges(nums) -> str:
+    """Sorted step numbers as runs: 1, 2, 3, 5 -> '1..3, 5'."""
+    runs: list[list[int]] = []
+    for n in nums:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
@@ -153,6 +166,21 @@ def compare_run(run_dir: str | Path) -> TraceComparison:
         elif skipped:
             notes.append("every step was skipped (non-finite gradients): none ran the update the plan "
                          "times, so the optimizer and the step time are not comparable")
+    if by_step:
+        # A resume may re-plan (other settings: a budget, a batch) and overwrite plan.json: the
+        # steps run under another plan log another predicted step time and are left out (they
+        # were compared with this plan: a review)
+        want = plan.predicted.step_time_s
+        other = {e["step"] for e in events if e["step"] >= 0 and isinstance(
+            p := by_step.get(e["step"] + 1, {}).get("predicted_step_time_s"), (int, float))
+            and abs(p - want) > 1e-9 * max(abs(want), 1e-12)}
+        if other:
+            if other >= {e["step"] for e in events if e["step"] >= 0}:
+                raise ValueError(f"no step of {trace_path} ran with {plan_path} (metrics.jsonl logs another "
+                                 "predicted step time for each): it is not the plan this trace ran")
+            events = [e for e in events if e["step"] < 0 or e["step"] not in other]
+            notes.append(f"{len(other)} step(s) ran under another plan than plan.json (a resume that "
+                         f"planned again) and were left out: {step_ranges(sorted(s + 1 for s in other))}")
     m_s, m_b, steps = measured_busy(events)
     p_s, p_b, p_step = predicted_busy(plan, with_what)
     keys = [_key(k, w) for k in KINDS for w in WHATS if w == "" or k in TRANSFERS]

@@ -102,7 +102,10 @@ def write_profile(spec: HardwareSpec, yaml_path: Path, details: dict[str, Any]) 
               f"# Re-run `lazytrain profile` to refresh; plan with `hardware=measured`.\n")
     tmp = yaml_path.with_suffix(".tmp")
     try:
-        tmp.write_text(header + yaml.safe_dump(asdict(spec), sort_keys=False))
+        with open(tmp, "w") as f:   # on disk before it replaces the old profile
+            f.write(header + yaml.safe_dump(asdict(spec), sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(yaml_path)
     except BaseException:   # (no half-written .tmp left next to where the profile was to go)
         tmp.unlink(missing_ok=True)

@@ -16,6 +16,9 @@ EVENT_KINDS = ("compute_fwd", "compute_bwd", "recompute", "h2d", "d2h", "nvme_re
                "optimizer")
 
 
+RESUME_KIND = "resume"   # a marker outside any step (step -1): a resumed process's first step
+
+
 class Trace:
     """Collects events (kind, layer, start_s, end_s, bytes, tier); `flush` appends them as JSONL."""
 
@@ -51,6 +54,10 @@ class Trace:
         self._fresh = False
         keep_jsonl_rows(self.path, lambda ev: not isinstance(ev["step"], int) or ev["step"] < steps_done,
                         rows=False)
+        # where this process begins: its first step is a warm-up too (`lazytrain plan trace`)
+        with self._lock:
+            self.events.append({"step": -1, "kind": RESUME_KIND, "layer": "", "start_s": 0.0, "end_s": 0.0,
+                                "bytes": 0, "tier": "", "what": "", "first_step": steps_done})
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
