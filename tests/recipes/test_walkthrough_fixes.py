@@ -75,9 +75,10 @@ def test_a_resumed_run_appends_its_trace_and_summarises_the_whole_run(base_overr
             fwd[e["step"]] = fwd.get(e["step"], 0) + 1
     assert sorted(fwd) == [0, 1, 2, 3, 4] and len(set(fwd.values())) == 1   # each step once
     c = compare_run(out)
-    assert c.steps == (1, 2, 3, 4) and c.first_step == 1 and c.measured_step_s is not None
+    # each process's first step is a warm-up: the run's step 1 and the resume's (step 3)
+    assert c.steps == (1, 3, 4) and c.first_step == 1 and c.measured_step_s is not None
     assert plan_cli.main(["trace", str(out)]) == 0
-    assert "steps 2..5" in capsys.readouterr().out
+    assert "median over steps 2, 4..5" in capsys.readouterr().out
     metrics = _rows(out / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5]
     s = json.loads((out / "summary.json").read_text())
@@ -246,7 +247,6 @@ def test_ctrl_c_ends_a_sweep(base_overrides, tmp_path, capsys, monkeypatch):
     assert [p.name for p in (tmp_path / "sw").iterdir()] == ["optim.lr=0.001"]
 
 
-@pytest.mark.slow   # (in the full default suite the run did not see it, three times on 2026-12-01; alone it passes: unexplained)
 def test_ctrl_c_that_lands_in_a_weakref_callback_still_stops_the_run(base_overrides, tmp_path, capsys, monkeypatch):
     """Python prints a KeyboardInterrupt raised in a weakref callback as "Exception ignored" and
     drops it; the memory accountant's callbacks run often, and the review's Ctrl-C was lost that way
@@ -263,9 +263,7 @@ def test_ctrl_c_that_lands_in_a_weakref_callback_still_stops_the_run(base_overri
 
     def sigint_in_callback(_ref):
         # The SIGINT handler the run installed, run inside the callback as Python runs it when the
-        # signal lands there; its KeyboardInterrupt is dropped. (os.kill + sleep, as before
-        # 2026-12-01, came out as a run that never saw the signal in the full suite only, twice, and
-        # passed in every subset tried: delivery, not the handler, was what varied.)
+        # signal lands there; its KeyboardInterrupt is dropped.
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
 
     def micro_batch(self, *a, **k):
@@ -279,8 +277,17 @@ def test_ctrl_c_that_lands_in_a_weakref_callback_still_stops_the_run(base_overri
         return real(self, *a, **k)
     monkeypatch.setattr(StreamingExecutor, "_micro_batch", micro_batch)
     out = tmp_path / "run"
-    rc, io = _main_interrupted([*base_overrides, *STREAMED, "job.max_steps=5", f"output_dir={out}"], capsys)
-    assert rc == 130, io.err
-    assert "interrupted after step 2 of 5; no checkpoint was written yet" in io.err
-    assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1, 2]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back
+    # SIGINT as Python sets it up in a terminal. pytest started as a background job of a
+    # non-interactive shell (`make test > log &`) inherits SIGINT ignored; Python then leaves it
+    # SIG_IGN, the run rightly leaves an ignored SIGINT alone, and getsignal above returned
+    # Handlers.SIG_IGN ("'Handlers' object is not callable", dropped): the 2026-12-01 full-suite
+    # failures, which no earlier test caused.
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc, io = _main_interrupted([*base_overrides, *STREAMED, "job.max_steps=5", f"output_dir={out}"], capsys)
+        assert rc == 130, io.err
+        assert "interrupted after step 2 of 5; no checkpoint was written yet" in io.err
+        assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1, 2]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back
+    finally:
+        signal.signal(signal.SIGINT, prev)
