@@ -159,13 +159,19 @@ class ShardedTensors(Mapping):
 
 
 def remove_stale_temps(ckpt_root: Path) -> list[str]:
-    """Delete what a killed run left half-written in `ckpt_root` (a `.step_*.tmp` dir: a whole
+    """Delete what a killed run left half-written in `ckpt_root` and its output dir (a `.step_*.tmp` dir: a whole
     checkpoint's engine state, ~100 GB for an 8B full fine-tune; a `.latest.*.tmp` file), which
     nothing else removes (review). Call with the output dir's lock held. Returns their names."""
     gone = []
-    for p in sorted(ckpt_root.glob(".step_*.tmp")) + sorted(ckpt_root.glob(".latest.*.tmp")):
+    out = ckpt_root.parent
+    # and in the output dir: the temp copies of metrics.jsonl / trace.jsonl a resume trims through
+    # (a whole trace each; they stayed for good after a resume killed there: review) and the final
+    # model's temp dir
+    for p in (sorted(ckpt_root.glob(".step_*.tmp")) + sorted(ckpt_root.glob(".latest.*.tmp"))
+              + sorted(out.glob(".metrics.jsonl.*.tmp")) + sorted(out.glob(".trace.jsonl.*.tmp"))
+              + sorted(out.glob("final.tmp"))):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        gone.append(p.name)
+        gone.append(str(p.relative_to(out)))
     return gone
 
 

@@ -33,9 +33,9 @@ from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
-from ..storage.aligned_io import DiskIOError
+from ..storage.aligned_io import ALIGN_BYTES, DiskIOError
 from ..storage.atomic import keep_jsonl_rows
-from ..storage.filemode import hold_flock, share_like_umask
+from ..storage.filemode import cannot_write_in, hold_flock, share_like_umask
 from ..storage.tiers import remove_dead_scratch, warn_if_memory_backed
 from . import checkpoint as ckpt
 from .ds_settings import check_deepspeed_config, deepspeed_overrides
@@ -201,7 +201,15 @@ def check_nvme_dir(nvme_dir: Path, need_bytes: int, create: bool) -> None:
 
 
 def plan_nvme_bytes(plan: Plan) -> int:
-    return int(plan.predicted.peak_bytes.get("nvme", 0) or 0)
+    """The plan's NVMe peak plus what the files add: each tensor file on NVMe is padded to the
+    4 KiB O_DIRECT block (the plan counts exact bytes, so a drive that held them, but not the
+    padding, passed this check and the run failed writing its state: review)."""
+    peak = int(plan.predicted.peak_bytes.get("nvme", 0) or 0)
+    if not peak:
+        return 0
+    files = sum((d.param_tier == "nvme") + (d.grad_tier == "nvme") + 3 * (d.optimizer_tier == "nvme")
+                + (d.activation_tier == "nvme") for d in plan.layers)
+    return peak + files * ALIGN_BYTES
 
 
 def preflight(cfg: DictConfig) -> Preflight:
@@ -385,6 +393,12 @@ def run_settings(cfg: DictConfig) -> None:
     if out and (above := file_in_the_way(Path(str(out)).expanduser())) is not None:
         # (one under a file was a NotADirectoryError traceback from Hydra; review)
         raise ConfigError(f"output_dir {out} cannot be made: {above} is a file, not a directory")
+    if out:
+        # a read-only dir (or mount) was a Hydra traceback about its log file (review)
+        p = Path(str(out)).expanduser()
+        where = next((a for a in (p, *p.absolute().parents) if a.exists()), None)
+        if where is not None and (why := cannot_write_in(where)):
+            raise ConfigError(f"output_dir {out}: cannot write in {where} ({why}); give a writable output_dir")
 
 
 def optim_settings(cfg: DictConfig) -> dict[str, Any]:

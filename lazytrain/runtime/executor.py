@@ -38,7 +38,7 @@ from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunk
                               set_rng_states)
 from ..plan.plan import Plan
 from ..spec.model import experts_implementation
-from ..storage.aligned_io import InlinePool, IOPool, aligned_empty
+from ..storage.aligned_io import InlinePool, IOPool, aligned_empty, round_up
 from ..storage.fastcopy import copy_into
 from ..storage.flat import FlatLayout, typed
 from ..costmodel import NVME_STATE_SETS
@@ -428,7 +428,9 @@ class StreamingExecutor:
             if d.param_tier == "nvme":
                 need_nvme += lay.layout.padded_nbytes
             if self.trainable[lay.index]:
-                need_nvme += lay.layout.numel * itemsize * ((d.grad_tier == "nvme") + 3 * (d.optimizer_tier == "nvme"))
+                # (each a file padded to the O_DIRECT block, as NvmeStore.allocate makes it)
+                need_nvme += round_up(lay.layout.numel * itemsize) * ((d.grad_tier == "nvme")
+                                                                      + 3 * (d.optimizer_tier == "nvme"))
         uses_nvme = need_nvme > 0 or any(d.activation_tier == "nvme" for d in self.decisions)
         self.host = HostStore(pin=self.cuda)
         self.nvme_root = None

@@ -812,10 +812,19 @@ def test_a_resume_removes_what_a_killed_run_left_half_written(base_overrides, tm
     (ck / ".step_000003.tmp").mkdir()
     (ck / ".step_000003.tmp" / "engine.safetensors").write_bytes(b"x" * 1000)
     (ck / ".latest.abc123.tmp").write_text("step_000003")
+    # a resume killed while trimming metrics.jsonl / trace.jsonl left their temp copies (review,
+    # 2026-12-01: for good), a final model's write its temp dir
+    (out / ".metrics.jsonl.x1.tmp").write_text("{}\n")
+    (out / ".trace.jsonl.x2.tmp").write_text("{}\n")
+    (out / "final.tmp").mkdir()
+    keep = out / "notes.tmp"   # not ours
+    keep.write_text("mine")
     rc, io = _main([*base_overrides, "job.max_steps=3", "resume=true", f"output_dir={out}"], capsys)
     assert rc == 0, io.err
-    assert "removed what an interrupted run left half-written: .step_000003.tmp, .latest.abc123.tmp" in io.out
+    assert ("removed what an interrupted run left half-written: checkpoints/.step_000003.tmp, "
+            "checkpoints/.latest.abc123.tmp, .metrics.jsonl.x1.tmp, .trace.jsonl.x2.tmp, final.tmp") in io.out
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir() if p != keep) and keep.read_text() == "mine"
 
 
 def test_a_final_model_written_before_the_step_was_recorded_is_kept(base_overrides, tmp_path, capsys):
