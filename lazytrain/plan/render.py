@@ -33,8 +33,9 @@ def optimizer_state_label(job) -> str:
                                               if job.optimizer_state_bits == 8 else "")
     if job.optimizer_state_bits == 8:
         return "fp32 master + 8-bit moments"
-    if job.master_dtype == "bf16":
-        return "bf16 moments, no master: pure bf16"
+    if job.master_dtype == "bf16":   # ("pure bf16" for fp32 compute too, before: a review)
+        return ("bf16 moments, no master: pure bf16" if job.compute_dtype == "bf16"
+                else f"bf16 weights + moments, no fp32 master, {job.compute_dtype} compute")
     return "fp32 master + moments"
 
 

@@ -86,6 +86,13 @@ def test_optimizer_state_is_named_as_the_job_keeps_it(small, mode, bits, master,
     assert any(line.startswith(f"optimizer state ({label})") for line in plan.explanation) == (mode == "full")
 
 
+def test_a_bf16_master_under_fp32_compute_is_not_called_pure_bf16(small):
+    from lazytrain.plan.render import optimizer_state_label
+    _, _, job = small
+    label = optimizer_state_label(replace(job, mode="full", master_dtype="bf16", compute_dtype="fp32"))
+    assert "pure bf16" not in label and "fp32 compute" in label, label
+
+
 def test_segments_are_named_like_the_rows(small):
     model, h, job = small
     plan = plan_job(model, h, job, cache_dir=None)
