@@ -195,3 +195,38 @@ def planner_options(cfg: DictConfig) -> PlannerOptions:
         return PlannerOptions.from_dict(OmegaConf.to_container(cfg.planner, resolve=True))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"planner: {e}") from None
+
+
+def profile_mismatch(cfg: DictConfig, job: JobSpec) -> str | None:
+    """With `hardware=measured`: a warning (logged, and returned) when the profile was timed for
+    other numerics than `job`'s: its per-layer efficiency was measured in its compute dtype and its
+    host_memory_gbps with its optimizer's states (measured.profile.json records both; nothing read
+    them, and a profile timed in fp32 planned a bf16 job silently: a review). None otherwise."""
+    import json
+    import logging
+
+    if cfg.hardware.get("name") != "measured":
+        return None
+    try:
+        det = json.loads((config_dir() / "hardware" / "measured.profile.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(det, dict):
+        return None
+    diffs = []
+    dt = det.get("compute_dtype")   # (the matmul peak and the per-layer times were taken in it)
+    try:
+        same = dt is None or JobSpec(compute_dtype=dt).compute_dtype == job.compute_dtype
+    except (TypeError, ValueError):
+        same = True
+    if not same:
+        diffs.append(f"compute in {dt} (this job: {job.compute_dtype})")
+    bits = det.get("host_optimizer_state_bits")
+    if bits and job.mode == "full" and int(bits) != job.optimizer_state_bits:
+        diffs.append(f"{bits}-bit optimizer states (this job: {job.optimizer_state_bits}-bit)")
+    if not diffs:
+        return None
+    msg = (f"the measured hardware profile was timed with {' and '.join(diffs)}: its rates may misjudge "
+           f"this job's step; run `lazytrain profile` with this job's settings to plan it with its own")
+    logging.getLogger("lazytrain").warning(msg)
+    return msg

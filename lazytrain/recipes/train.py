@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
 from ..cli.config import (ConfigError, check_bool_settings, hardware_spec, hydra_quoted, model_spec,
-                          planner_cache_dir, planner_options)
+                          planner_cache_dir, planner_options, profile_mismatch)
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
@@ -226,6 +226,7 @@ def preflight(cfg: DictConfig) -> Preflight:
         check_safetensors(weights)
     hw = hardware_spec(cfg)
     job, max_steps = job_spec_of(cfg)
+    profile_mismatch(cfg, job)
     if job.mode == "lora":
         check_lora_targets(mspec, cfg.model.get("path"), job.lora_targets)
     for what in ("compute_dtype", "master_dtype"):

@@ -93,3 +93,25 @@ def test_step_ranges():
     from lazytrain.plan.tracecmp import step_ranges
     assert step_ranges([1, 2, 3, 5, 7, 8]) == "1..3, 5, 7..8"
     assert step_ranges([4]) == "4"
+
+
+def test_a_profile_timed_for_other_numerics_is_said(configs, capsys, caplog):
+    """measured.profile.json records the compute dtype and optimizer bits it was timed with; a job
+    with others was planned with its rates silently (review)."""
+    import json
+
+    import yaml
+    full = yaml.safe_load((configs / "hardware" / "cpu.yaml").read_text())
+    full["name"] = "measured"
+    (configs / "hardware" / "measured.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
+    det = configs / "hardware" / "measured.profile.json"
+    det.write_text(json.dumps({"compute_dtype": "fp32", "host_optimizer_state_bits": 8, "layers": []}))
+    args = ["plan", "hardware=measured", *TINY[:2], "planner.cache=false"]
+    with caplog.at_level("WARNING", logger="lazytrain"):
+        assert cli_main([*args, "job.compute_dtype=bf16"]) == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "timed with compute in fp32 (this job: bf16) and 8-bit optimizer states (this job: 32-bit)" in said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lazytrain"):   # the same numerics: nothing said
+        assert cli_main([*args, "job.compute_dtype=fp32", "job.optimizer_state_bits=8"]) == 0
+    assert "measured hardware profile" not in " ".join(r.getMessage() for r in caplog.records)
