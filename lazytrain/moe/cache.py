@@ -163,10 +163,12 @@ class ExpertCache:
         return n
 
     def _reap(self) -> None:
-        """Drop finished requests from `pending`; free slots of cancelled or failed prefetches."""
+        """Drop finished requests from `pending`; free slots of cancelled or failed reads (a failed
+        demand read is raised by the first one waited on; the others' stayed, holding their slots,
+        and raised their old error again instead of reading again: a review)."""
         for key, req in list(self.pending.items()):
             if req.event.is_set():
-                if req.cancelled or (req.error is not None and req.prefetch):
+                if req.cancelled or req.error is not None:
                     self._release(key)
                 elif req.state == "skipped":     # un-cancelled after the skip: wait() re-reads it
                     continue

@@ -157,3 +157,31 @@ def test_prefill_bytes_is_the_count_not_a_product_of_floats(tokens, nbytes):
     s = MoeStats.from_counters(MoeCounters(tokens=tokens, bytes_read=nbytes, demand=1, hits=1, wall_s=1.0),
                                8, 32, 36864, "O_DIRECT")
     assert GenerateResult([1], None, s, s).to_json()["stats"]["prefill_bytes"] == nbytes   # (110591 for 49)
+
+
+def test_a_transient_read_error_is_read_again_on_the_next_call(mixtral_store):
+    """Two demand reads fail at once (a transient I/O error): the first is raised, and the second
+    stayed pending with its slot and raised its old error on the next call instead of reading."""
+    model, d = mixtral_store
+    eng = load_streamed(d / "store", cache_slots=16, prefetch="none")
+    try:
+        store = eng.cache.store
+        real, failed = store.read_into, []
+
+        def flaky(layer, expert, buf):
+            if layer == 0 and len(failed) < 2:
+                failed.append(expert)
+                raise OSError(5, "simulated: Input/output error")
+            return real(layer, expert, buf)
+        store.read_into = flaky
+        ids = torch.tensor([PROMPT])
+        with pytest.raises(OSError, match="simulated"):
+            with torch.no_grad():
+                eng.model(ids)
+        assert len(failed) == 2
+        with torch.no_grad():
+            got = eng.model(ids).logits
+            want = model(ids).logits
+        assert torch.equal(got, want)
+    finally:
+        eng.close()
