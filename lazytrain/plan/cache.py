@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+from dataclasses import fields
 from pathlib import Path
 
 from ..spec.tier import Tier
@@ -98,9 +99,19 @@ def malformed(plan: Plan) -> str:
     t = plan.predicted.step_time_s
     if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
         return f"predicted step time {t!r} s"
+    # every other figure `plan show` prints (a hand-edited "fast" was a TypeError there: review)
+    for f in fields(plan.predicted):
+        v = getattr(plan.predicted, f.name)
+        if f.name != "peak_bytes" and not (isinstance(v, int | float) and not isinstance(v, bool)
+                                           and math.isfinite(v) and v >= 0):
+            return f"predicted {f.name} {v!r} is not a number >= 0"
     if len(plan.layers) < 3:
         return f"{len(plan.layers)} layers"
     for i, d in enumerate(plan.layers):
+        if not isinstance(d.name, str) or not isinstance(d.kind, str):   # (a rich traceback: review)
+            return f"layer {i}: name {d.name!r} / kind {d.kind!r} are not text"
+        if not isinstance(d.recompute, bool):
+            return f"{d.name}: recompute {d.recompute!r} is not true/false"
         if not isinstance(d.segment_start, int) or not 0 <= d.segment_start < len(plan.layers):
             return f"{d.name}: segment start {d.segment_start!r} outside the plan's layers"
         if d.recompute and not (d.segment_start <= i and plan.layers[d.segment_start].recompute):

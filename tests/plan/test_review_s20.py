@@ -115,3 +115,20 @@ def test_a_profile_timed_for_other_numerics_is_said(configs, capsys, caplog):
     with caplog.at_level("WARNING", logger="lazytrain"):   # the same numerics: nothing said
         assert cli_main([*args, "job.compute_dtype=fp32", "job.optimizer_state_bits=8"]) == 0
     assert "measured hardware profile" not in " ".join(r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d["layers"][0].__setitem__("name", 5), "name 5"),
+    (lambda d: d["predicted"].__setitem__("tokens_per_s", "fast"), "tokens_per_s 'fast'"),
+])
+def test_plan_show_of_a_hand_damaged_plan_is_one_line(tmp_path, capsys, edit, says):
+    import json
+    p = tmp_path / "p.json"
+    assert cli_main(["plan", *TINY, "--json", str(p)]) == 0
+    d = json.loads(p.read_text())
+    edit(d)
+    p.write_text(json.dumps(d))
+    capsys.readouterr()
+    assert cli_main(["plan", "show", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a lazytrain plan" in err and says in err, err
