@@ -194,8 +194,11 @@ class Plan:
     def load(cls, path) -> "Plan":
         """A plan file; ValueError naming the file when it is missing or not a plan."""
         p = Path(path)
+        if p.is_dir() and (p / "plan.json").is_file():   # a run's output_dir: the plan it ran
+            p = p / "plan.json"
         if not p.is_file():
-            raise ValueError(f"{p}: no such plan file")
+            raise ValueError(f"{p}: no such plan file" + (" (a directory without plan.json: give a plan file "
+                                                          "or a run's output_dir)" if p.is_dir() else ""))
         try:
             return cls.parse(p.read_text())
         except ValueError as e:

@@ -132,3 +132,13 @@ def test_plan_show_of_a_hand_damaged_plan_is_one_line(tmp_path, capsys, edit, sa
     assert cli_main(["plan", "show", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a lazytrain plan" in err and says in err, err
+
+
+def test_plan_show_takes_a_run_dir(tmp_path, capsys):
+    assert cli_main(["plan", *TINY, "--json", str(tmp_path / "plan.json")]) == 0
+    capsys.readouterr()
+    assert cli_main(["plan", "show", str(tmp_path)]) == 0
+    assert "device peak" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["plan", "show", str(tmp_path / "empty")]) == 2
+    assert "a directory without plan.json" in capsys.readouterr().err
