@@ -245,7 +245,8 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
         if isinstance(e, DiskIOError):
             raise
         errno, why = DiskIOError.reason(e)
-        raise DiskIOError(errno, f"write checkpoint {tmp} ({why}); the last checkpoint is intact") from e
+        where = f"{e.filename}" if isinstance(e, OSError) and e.filename else f"{tmp}"
+        raise DiskIOError(errno, f"write checkpoint {where} ({why}); {earlier_checkpoints(ckpt_root, final)}") from e
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)   # e.g. the engine failed while streaming its state
@@ -255,6 +256,14 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
         _prune(ckpt_root, keep_last, keep=final)
     sync()
     return final
+
+
+def earlier_checkpoints(ckpt_root: Path, writing: Path | None = None) -> str:
+    """What a failed write leaves to resume from, in words ("the last checkpoint is intact" was
+    said when none had been written: a review)."""
+    done = [d for d in step_dirs(ckpt_root) if d != writing]
+    return (f"the last checkpoint, {done[-1].name}, is intact" if done
+            else "no checkpoint was written before it")
 
 
 def step_dirs(ckpt_root: Path) -> list[Path]:

@@ -1234,8 +1234,9 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(),
         if isinstance(e, DiskIOError):
             raise
         errno, why = DiskIOError.reason(e)
-        raise DiskIOError(errno, f"write the final model {tmp} ({why}); the last checkpoint is "
-                                 f"intact") from e
+        where = f"{e.filename}" if isinstance(e, OSError) and e.filename else f"{tmp}"
+        raise DiskIOError(errno, f"write the final model {where} ({why}); "
+                                 f"{ckpt.earlier_checkpoints(final_dir.parent / 'checkpoints')}") from e
 
 
 def summarize(history: list[StepStats], plan: Plan, start_step: int, end_step: int,

@@ -82,8 +82,11 @@ def test_failed_checkpoint_write_keeps_last(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(C, "save_file", boom)
-    with pytest.raises(OSError, match=r"write checkpoint .*step_000002.*last checkpoint is intact"):
+    with pytest.raises(OSError, match=r"write checkpoint .*step_000002.*the last checkpoint, step_000001, is intact"):
         ckpt.save_checkpoint(root, 2, {"data_position": 9}, engine_tensors={"w": torch.zeros(3)})
+    # the first checkpoint failing says there is none (it said "the last checkpoint is intact": review)
+    with pytest.raises(OSError, match=r"write checkpoint .*; no checkpoint was written before it"):
+        ckpt.save_checkpoint(tmp_path / "ck2", 1, {"data_position": 9}, engine_tensors={"w": torch.zeros(3)})
     monkeypatch.undo()
     last = ckpt.latest_checkpoint(root)
     assert last.name == "step_000001" and not list(root.glob(".step_*"))
