@@ -95,7 +95,8 @@ def _print_heldout(args: list[str], out: Path) -> None:
     from .config import load_config
 
     cfg = load_config([a for a in args if not a.startswith(("hydra.", "--"))], config_name="train")
-    val = Path(str(cfg.data.cache_dir)).expanduser() / "corpus" / "val.jsonl"
+    from ..data.corpus import DEMO_CORPUS
+    val = Path(str(cfg.data.cache_dir)).expanduser() / DEMO_CORPUS / "val.jsonl"
     if cfg.job.mode == "full" and (out / "final").is_dir() and val.is_file():
         loss = heldout_loss(out / "final", val, int(cfg.job.seq_len))
         vocab = int(cfg.model.hf_config.vocab_size) if cfg.model.get("hf_config") else 0

@@ -60,9 +60,9 @@ def _train_predictor(cfg) -> dict:
     if pt.text:
         text = Path(str(pt.text)).expanduser().read_text(encoding="utf-8")
     else:
-        from ..data.corpus import build_corpus
+        from ..data.corpus import DEMO_CORPUS, build_corpus
 
-        train_txt, _ = build_corpus(Path.home() / ".cache" / "lazytrain" / "corpus")
+        train_txt, _ = build_corpus(Path.home() / ".cache" / "lazytrain" / DEMO_CORPUS)
         text = train_txt.read_text(encoding="utf-8")
     ids = tok(text[: int(pt.max_tokens) * 8]).input_ids
     kw = engine_kwargs(cfg)

@@ -31,6 +31,11 @@ def _sources() -> list[tuple[str, str]]:
     return docs + licenses
 
 
+# Where the built-in corpus is built under a cache dir: -v2 since duplicate texts are dropped
+# (2026-12-01); `corpus/` is an earlier build, which runs started before resume from.
+DEMO_CORPUS = "corpus-v2"
+
+
 def build_corpus(out_dir: str | Path, val_fraction: float = 0.05, documents: bool = False) -> tuple[Path, Path]:
     """Write train.txt and val.txt (documents separated by blank lines: one text each, for a
     tokenizer to learn from) and train.jsonl / val.jsonl (one row per document: what training
@@ -47,10 +52,12 @@ def build_corpus(out_dir: str | Path, val_fraction: float = 0.05, documents: boo
     out.mkdir(parents=True, exist_ok=True)
     every = max(2, round(1 / val_fraction))
     train, val = [], []
-    for i, (_, text) in enumerate(_sources()):
-        text = text.strip()
-        if text:
-            (val if i % every == every - 1 else train).append(text)
+    # each text once: /usr/share/common-licenses links GPL to GPL-3 (and LGPL, GFDL), and two
+    # pydoc topics share a text; a copy on each side of the split would make the held-out loss
+    # one of trained documents (review, 2026-12-01; the corpus dir is versioned for it)
+    texts = list(dict.fromkeys(t.strip() for _, t in _sources() if t.strip()))
+    for i, text in enumerate(texts):
+        (val if i % every == every - 1 else train).append(text)
     for p, docs, rows in ((paths[0], train, False), (paths[1], val, False), (paths[2], train, True),
                           (paths[3], val, True)):
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # ranks may race

@@ -22,6 +22,8 @@ consumed — is the data position a checkpoint saves to resume exactly.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -60,6 +62,11 @@ def load_tokenizer(tokenizer_dir: str | Path):
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot load the tokenizer in {p}: {str(e).splitlines()[0]}") from None
+    except Exception as e:   # noqa: BLE001 - the Rust side raises a bare Exception (a tokenizer.json
+        # from a newer `tokenizers`), a KeyError for one missing a key: a traceback before (review)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"cannot load the tokenizer in {p}: {type(e).__name__}: {first} (a tokenizer.json "
+                        f"written by a newer `tokenizers`? upgrade it, or save the tokenizer again)") from None
 
 
 def read_chat_template(path: Path) -> str:
@@ -139,7 +146,20 @@ def expand_files(files: Sequence[str | Path]) -> list[Path]:
             raise DataError(f"data file {p} does not exist")
     if not out:
         raise DataError("no data files given (set data.files=[PATH,...])")
-    return out
+    # each real file once (a file reached twice, through a link or a dir listed with its parent,
+    # was trained twice: review), the first path it was reached by kept
+    seen: dict[str, Path] = {}
+    dupes = []
+    for q in out:
+        real = os.path.realpath(q)
+        if real in seen:
+            dupes.append(f"{q} (= {seen[real]})")
+        else:
+            seen[real] = q
+    if dupes:
+        log.warning("data: %d file(s) reached twice, read once: %s", len(dupes), ", ".join(dupes[:5])
+                    + (", ..." if len(dupes) > 5 else ""))
+    return list(seen.values())
 
 
 _JSON_TYPES = {list: "a JSON array", dict: "a JSON object", bool: "a JSON boolean",
@@ -202,6 +222,8 @@ def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except RecursionError:   # (a traceback: review)
+            raise DataError(f"{path}: not usable JSON (nested too deeply)") from None
         for k, obj in enumerate(rows):
             yield f"[{k}]", obj
         return
@@ -217,9 +239,16 @@ def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
             if not line.strip():
                 continue
             try:
-                yield f":{lineno}", json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                hint = ""
+                if lineno == 1 and line.strip() == "{":   # one pretty-printed object, not JSON lines
+                    hint = ("; a .json/.jsonl file holds one JSON object per line, or one JSON array of "
+                            "rows, not one object spread over lines")
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from None
+            except RecursionError:   # (a traceback: review)
+                raise DataError(f"{path}:{lineno}: not usable JSON (nested too deeply)") from None
+            yield f":{lineno}", obj
 
 
 def _jsonl_rows(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
@@ -324,7 +353,61 @@ def read_chats(path: Path, messages_field: str) -> Iterator[tuple[str, list[dict
                                 f"parts, e.g. images, are not supported: join text parts into one string)")
             if c is not None:   # a lone UTF-16 surrogate is an error naming the row
                 _field_text(path, f"{where} message {j}", "content", "data.messages_field", c)
+            if (bad := _bad_string(m)) is not None:   # in any other key the template renders
+                raise DataError(f"{path}{where}: message {j}'s {bad} holds a lone UTF-16 surrogate, not "
+                                f"valid Unicode text; fix or drop the row")
         yield where, msgs
+
+
+# Templates that print today's date (Llama-3.2/3.3-Instruct: "Today Date: ..." in every system
+# header) render with this one: with the clock's, the same rows tokenized on another day were other
+# data, and a run stopped one day was refused as trained on other data the next (review). It is the
+# date Llama's templates fall back to when no clock is given.
+PINNED_CHAT_DATE = datetime.datetime(2024, 7, 26)
+
+
+class _PinnedDatetime(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2024, 7, 26, tzinfo=tz)
+
+
+@contextlib.contextmanager
+def _pinned_clock():
+    """transformers' chat templates read the clock through their `strftime_now` global, which
+    calls its module's `datetime.now()` (render arguments cannot replace it: they are reduced to
+    plain JSON data); that name is swapped for the render. Without the module attribute (another
+    transformers) the clock is left alone."""
+    try:
+        from transformers.utils import chat_template_utils as ctu
+    except ImportError:
+        yield
+        return
+    was = getattr(ctu, "datetime", None)
+    if not (isinstance(was, type) and issubclass(was, datetime.datetime)):
+        yield
+        return
+    ctu.datetime = _PinnedDatetime
+    try:
+        yield
+    finally:
+        ctu.datetime = was
+
+
+def _bad_string(obj, at: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone UTF-16 surrogate ('tool_calls[0].arguments'),
+    or None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return at or "the value"
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if (where := _bad_string(v, f"{at}[{k}]" if isinstance(k, int) else f"{at}.{k}" if at else str(k))):
+            return where
+    return None
 
 
 def _common_prefix(a: Sequence, b: Sequence) -> int:
@@ -368,8 +451,9 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str) -> tup
 
             def render(upto: int, generation_prompt: bool) -> str:
                 try:
-                    out = tokenizer.apply_chat_template(msgs[:upto], tokenize=False,
-                                                        add_generation_prompt=generation_prompt)
+                    with _pinned_clock():
+                        out = tokenizer.apply_chat_template(msgs[:upto], tokenize=False,
+                                                            add_generation_prompt=generation_prompt)
                 except Exception as e:  # noqa: BLE001 - jinja's raise_exception and template bugs
                     raise DataError(f"{path}{where}: the chat template refused the conversation "
                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -527,6 +611,8 @@ class PackedDataset:
                             f"seq_len={seq_len}; add data or lower job.seq_len")
         self.seq_len = seq_len
         self.seed = seed
+        # the stream's end, short of a whole sequence, is not used (reported with an evaluation)
+        self.tail_tokens = tokens.numel() - n * seq_len
         self.sequences = tokens[: n * seq_len].view(n, seq_len)  # [N, S]
         self.learn: torch.Tensor | None = None
         if learn is not None:
@@ -599,6 +685,7 @@ class PackedDataset:
         """A dataset of these (already packed and filtered) sequences."""
         ds = cls.__new__(cls)
         ds.seq_len, ds.seed, ds.sequences, ds.learn = sequences.shape[1], seed, sequences, learn
+        ds.tail_tokens = 0
         ds._reset_order()
         return ds
 
@@ -667,6 +754,8 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
         put(content)
     # (the chat template is part of the tokenizer's files)
     put(json.dumps([tokenizer.eos_token_id, text_field, prompt_field, messages_field, bos]).encode())
+    if messages_field:   # chats render with the pinned date (2026-12-01; the clock's before)
+        put(f"chat date {PINNED_CHAT_DATE:%Y-%m-%d}".encode())
     for p in paths:
         put(b"jsonl" if is_jsonl(p) else b"text")
         put(p.read_bytes())

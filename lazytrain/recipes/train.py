@@ -28,7 +28,8 @@ from safetensors import SafetensorError
 
 from ..cli.config import (ConfigError, check_bool_settings, hardware_spec, hydra_quoted, model_spec,
                           planner_cache_dir, planner_options, profile_mismatch)
-from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
+from ..data.dataset import (DataError, PackedDataset, build_dataset, expand_files, load_tokenizer,
+                            read_chat_template)
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -135,7 +136,7 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
     if d.get("builtin"):
         if d.builtin != "pydoc-corpus":
             raise ConfigError(f"unknown data.builtin {d.builtin!r}; valid: pydoc-corpus")
-        from ..data.corpus import build_corpus
+        from ..data.corpus import DEMO_CORPUS, build_corpus
         from ..data.tokenizer import MIN_VOCAB, build_tokenizer
 
         vocab = d.get("vocab_size")
@@ -151,10 +152,16 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
         cache = Path(str(d.cache_dir)).expanduser()
         if (above := file_in_the_way(cache)) is not None:   # (a NotADirectoryError traceback; review)
             raise ConfigError(f"data.cache_dir {cache} cannot be made: {above} is a file, not a directory")
-        train_txt, _ = build_corpus(cache / "corpus")
-        tok_dir = d.get("tokenizer") or build_tokenizer(
-            [train_txt], cache / f"tokenizer-{int(d.vocab_size)}", vocab_size=int(d.vocab_size))
-        train_docs, _ = build_corpus(cache / "corpus", documents=True)   # (one row, one EOS, per document)
+        try:
+            # (a new corpus, DEMO_CORPUS, has a new tokenizer: it is learnt from the corpus)
+            train_txt, _ = build_corpus(cache / DEMO_CORPUS)
+            tok_dir = d.get("tokenizer") or build_tokenizer(
+                [train_txt], cache / f"tokenizer-{DEMO_CORPUS}-{int(d.vocab_size)}", vocab_size=int(d.vocab_size))
+            train_docs, _ = build_corpus(cache / DEMO_CORPUS, documents=True)   # (one row, one EOS, per document)
+        except OSError as e:   # (a read-only or forbidden place: tracebacks before; review)
+            raise ConfigError(f"data.cache_dir {cache}: the built-in corpus cannot be built there "
+                              f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}); set "
+                              f"data.cache_dir=DIR to a writable dir") from None
         files = [Path(str(f)) for f in data_files(d)] or [train_docs]
         return files, Path(str(tok_dir)).expanduser()
     files = [Path(str(f)).expanduser() for f in data_files(d)]
@@ -273,7 +280,8 @@ def preflight(cfg: DictConfig) -> Preflight:
     template = cfg.data.get("chat_template")
     if template:
         tokenizer.chat_template = read_chat_template(Path(str(template)).expanduser())
-    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len), tokenizer, job.seq_len)
+    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len), tokenizer, job.seq_len,
+                             train_files=files)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
@@ -301,10 +309,11 @@ def dataset_of(cfg: DictConfig, files, tokenizer, seq_len: int) -> PackedDataset
                          add_bos=d.get("add_bos", "auto"), **fields)
 
 
-def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
+def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int, train_files=()
                ) -> tuple[PackedDataset, PackedDataset | None]:
-    """(training data, evaluation data or None): data.eval_files, read as the training files are,
-    or the last data.eval_fraction of the training sequences, held out."""
+    """(training data, evaluation data or None): data.eval_files, read as the training files are
+    (none of them among `train_files`, expanded), or the last data.eval_fraction of the training
+    sequences, held out."""
     d = cfg.data
     files, frac = data_files(d, "eval_files"), d.get("eval_fraction") or 0
     if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
@@ -316,6 +325,17 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
     if not files:
         return ds, None
     try:
+        if train_files:
+            # an evaluation file that is also trained on (in a training dir) was reported as
+            # held-out (review)
+            trained = {os.path.realpath(p) for p in expand_files(list(train_files))}
+            both = [str(p) for p in expand_files([Path(str(f)).expanduser() for f in files])
+                    if os.path.realpath(p) in trained]
+            if both:
+                raise ConfigError(f"data.eval_files: {', '.join(both[:3])} {'is' if len(both) == 1 else 'are'} "
+                                  f"also trained on (reached through data.files): not held out; move "
+                                  f"{'it' if len(both) == 1 else 'them'} out of the training data, or use "
+                                  f"data.eval_fraction")
         return ds, dataset_of(cfg, files, tokenizer, seq_len)
     except DataError as e:
         raise DataError(f"data.eval_files: {e}") from None
@@ -691,10 +711,13 @@ def _data_hints(cfg: DictConfig, pre: Preflight) -> str:
                      "trained as tokens and runs since drop: such a run cannot resume; start it again "
                      "in a new output_dir")
     if cfg.data.get("builtin") and not data_files(cfg.data):
-        corpus = Path(str(cfg.data.cache_dir)).expanduser() / "corpus"
-        hints.append(f"the built-in data is {corpus / 'train.jsonl'}, a document per row, since 2026-12-01; "
-                     f"runs started before trained on one text file: resume those with "
-                     f"data.files=[{corpus / 'train.txt'}]")
+        cache = Path(str(cfg.data.cache_dir)).expanduser()
+        corpus = cache / "corpus"
+        vocab = cfg.data.get("vocab_size")
+        hints.append(f"the built-in data is {cache / 'corpus-v2' / 'train.jsonl'}, a document per row without "
+                     f"duplicate texts, since 2026-12-01; runs started before trained on {corpus}: resume "
+                     f"those with data.files=[{corpus / 'train.jsonl'}] data.tokenizer={cache / f'tokenizer-{vocab}'} "
+                     f"(or data.files=[{corpus / 'train.txt'}], runs from before they were rows)")
     return f" ({'; '.join(hints)})" if hints else ""
 
 
@@ -1132,6 +1155,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                     "op_temporaries_counted": bool(cfg.get("count_op_temporaries", False))})
     if pre.eval_dataset is not None:
         summary["eval_sequences"] = len(pre.eval_dataset)
+        summary["eval_tail_tokens"] = int(getattr(pre.eval_dataset, "tail_tokens", 0))
         summary["eval_sequences_used"] = len(pre.eval_dataset) if eval_limit is None else \
             min(len(pre.eval_dataset), eval_limit * job.batch_size)
         if eval_losses:
@@ -1289,7 +1313,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['tokens_per_s']:,.0f} tokens/s, median step {s['measured_step_time_s'] * 1e3:.0f} ms)",
         f"loss{span}: first {s['first_loss']:.3f} -> last {s['last_loss']:.3f}  "
         f"(mean of first/last few: {s['first_loss_avg']:.3f} -> {s['last_loss_avg']:.3f})"
-        + (f"\neval loss (held-out, {s['eval_sequences_used']} of {s['eval_sequences']} sequences): "
+        + (f"\neval loss (held-out, {s['eval_sequences_used']} of {s['eval_sequences']} sequences"
+           + (f"; the last {s['eval_tail_tokens']} tokens, short of a sequence, not evaluated"
+              if s.get("eval_tail_tokens") else "") + "): "
            + ", ".join(f"step {k} {x:.3f}" for k, x in s["eval_losses"][-4:]) if s.get("eval_losses") else ""),
         f"step time: predicted {s['predicted_step_time_s'] * 1e3:.0f} ms, measured "
         f"{s['measured_step_time_s'] * 1e3:.0f} ms;  device peak: predicted "

@@ -13,7 +13,7 @@ def test_demo_runs_on_real_text_with_the_streaming_engine(tmp_path, capsys, monk
     io = capsys.readouterr()
     assert rc == 0, io.err
     assert "loss curve: 1:" in io.out and "predicted" in io.out and "held-out loss" in io.out
-    assert (tmp_path / "cache" / "corpus" / "train.txt").stat().st_size > 200_000  # real prose
+    assert (tmp_path / "cache" / "corpus-v2" / "train.txt").stat().st_size > 200_000  # real prose
     plan = json.loads((out / "plan.json").read_text())
     assert any(d["param_tier"] != "device" for d in plan["layers"])  # the demo's plan streams
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]

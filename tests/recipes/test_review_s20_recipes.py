@@ -27,3 +27,36 @@ def test_trace_leaves_out_steps_run_under_another_plan_and_each_process_warm_up(
     assert any("3 step(s) ran under another plan than plan.json" in n and ": 1..3" in n for n in c.notes), c.notes
     assert plan_cli.main(["trace", str(out)]) == 0
     assert "median over steps 5..6" in capsys.readouterr().out
+
+
+def test_an_eval_file_that_is_also_trained_on_is_refused(base_overrides, tmp_path, capsys):
+    f = next(a.split("=", 1)[1].strip("[]") for a in base_overrides if a.startswith("data.files="))
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "train.txt").write_bytes(open(f, "rb").read())
+    (d / "val.txt").write_bytes(open(f, "rb").read()[:4000])
+    args = [a for a in base_overrides if not a.startswith("data.files=")]
+    rc = cli.main([*args, f"data.files=[{d}]", f"data.eval_files=[{d / 'val.txt'}]", "job.max_steps=1",
+                   f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "val.txt is also trained on (reached through data.files): not held out" in err, err
+
+
+def test_demo_data_in_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    rc = cli.main(["data=demo", "data.cache_dir=/proc/lazytrain-demo", "job.max_steps=1",
+                   f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "data.cache_dir /proc/lazytrain-demo: the built-in corpus cannot be built there" in err
+
+
+def test_the_eval_summary_says_what_the_last_partial_sequence_left_out(base_overrides, tmp_path, capsys):
+    f = next(a.split("=", 1)[1].strip("[]") for a in base_overrides if a.startswith("data.files="))
+    ev = tmp_path / "ev.txt"
+    ev.write_bytes(open(f, "rb").read()[:3000])
+    rc = cli.main([*base_overrides, f"data.eval_files=[{ev}]", "job.max_steps=2", f"output_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0 < s["eval_tail_tokens"] < 32
+    assert f"the last {s['eval_tail_tokens']} tokens, short of a sequence, not evaluated" in out
