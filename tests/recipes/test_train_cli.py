@@ -898,9 +898,14 @@ def test_a_demo_run_started_before_the_jsonl_corpus_is_told_how_to_resume(tmp_pa
     from lazytrain.recipes.train import _data_hints
 
     cfg = OmegaConf.create({"data": {"builtin": "pydoc-corpus", "files": [], "cache_dir": str(tmp_path / "c"),
-                                     "add_bos": "false"}})
+                                     "add_bos": "false", "vocab_size": 2048}})
     hint = _data_hints(cfg, SimpleNamespace(tokenizer=None))
-    assert f"resume those with data.files=[{tmp_path / 'c' / 'corpus' / 'train.txt'}]" in hint
+    c = tmp_path / "c"
+    # (the corpus moved to corpus-v2/ without duplicate texts, 2026-12-01: earlier runs' data and
+    # tokenizer are named; the rows, and the one text file for runs from before the rows)
+    assert (f"resume those with data.files=[{c / 'corpus' / 'train.jsonl'}] "
+            f"data.tokenizer={c / 'tokenizer-2048'}") in hint
+    assert f"data.files=[{c / 'corpus' / 'train.txt'}], runs from before they were rows" in hint
 
 
 def test_plan_trace_leaves_out_skipped_steps(base_overrides, tmp_path, capsys):
