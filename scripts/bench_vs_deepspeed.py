@@ -221,6 +221,13 @@ def prepare(a: argparse.Namespace, engine: str, batch: int, tmp: Path,
     if msg:
         return None, None, [], msg
     cfg, dropped = ds_config_from_plan(plan, nvme_dir=os.path.join(a.nvme_dir, f"ds-b{batch}"))
+    if frugal:
+        # optimizer sub-groups no larger than the largest parameter (DeepSpeed's 1e9 default is one
+        # group of this model: with the state on NVMe, 3.3 GiB of swap buffers whatever the batch;
+        # ds_config_from_plan sets this for NVMe itself, here for CPU offload too: review)
+        from lazytrain.integrations.ds_config import sub_group_size_for
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size_for(
+            plan, cfg["zero_optimization"].get("sub_group_size", 1_000_000_000))
     ds_path = tmp / f"ds-{tier}-b{batch}{'-frugal' if frugal else ''}.json"
     ds_path.write_text(json.dumps(cfg, indent=1))
     return plan_path, ds_path, dropped, None

@@ -1187,15 +1187,21 @@ class StreamingExecutor:
         while self._publishing:   # (the weight writes in flight: a failed one was raised by the next)
             self._publishing.popleft().exception()
 
-    def wait(self) -> None:
+    def wait(self, fetches: bool = False) -> None:
         """Block until every queued optimizer update has been applied (and its NVMe-tier weights
-        written: a failed write is raised here, or at the layer's next fetch)."""
+        written: a failed write is raised here, or at the layer's next fetch). `fetches`: and
+        until the weight fetches a step starts for the next one at its end have landed (what a
+        benchmark that times one step alone must count: the next step would wait for them)."""
         for lay in self.layers:
             if lay.ready is not None:
                 lay.ready.result()
         for lay in self.layers:
             if lay.publish is not None:
                 lay.publish.result()
+        if fetches and getattr(self, "streamer", None) is not None:
+            for lay in self.streamer.layers:
+                if lay.fetch is not None:
+                    lay.fetch.result()
 
     def _layer_values(self, i: int, full_precision: bool = False) -> list[torch.Tensor]:
         """Current weights of layer i, as fresh tensors (not views of any buffer): in the compute
