@@ -110,7 +110,7 @@ def main() -> None:
                 print(f"{label} {plan_name} {2 * seq} tokens: predicted {predicted / 2**20:.2f} MiB, "
                       f"measured {measured / 2**20:.2f} MiB", flush=True)
     print()
-    print(f"{'case':<20} {'plan':<15} {'tokens':>6} {'predicted MiB':>14} {'measured MiB':>13} {'meas/pred':>10}")
+    print(f"{'case':<20} {'plan':<15} {'tokens':>6} {'predicted MiB':>14} {'measured MiB':>13} {'meas/pred-1':>10}")
     print("-" * 84)
     under = 0
     for label, plan_name, tokens, predicted, measured in rows:
