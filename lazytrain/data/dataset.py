@@ -369,7 +369,7 @@ PINNED_CHAT_DATE = datetime.datetime(2024, 7, 26)
 class _PinnedDatetime(datetime.datetime):
     @classmethod
     def now(cls, tz=None):
-        return cls(2024, 7, 26, tzinfo=tz)
+        return cls(*PINNED_CHAT_DATE.timetuple()[:6], tzinfo=tz)
 
 
 @contextlib.contextmanager

@@ -711,10 +711,11 @@ def _data_hints(cfg: DictConfig, pre: Preflight) -> str:
                      "trained as tokens and runs since drop: such a run cannot resume; start it again "
                      "in a new output_dir")
     if cfg.data.get("builtin") and not data_files(cfg.data):
+        from ..data.corpus import DEMO_CORPUS
         cache = Path(str(cfg.data.cache_dir)).expanduser()
         corpus = cache / "corpus"
         vocab = cfg.data.get("vocab_size")
-        hints.append(f"the built-in data is {cache / 'corpus-v2' / 'train.jsonl'}, a document per row without "
+        hints.append(f"the built-in data is {cache / DEMO_CORPUS / 'train.jsonl'}, a document per row without "
                      f"duplicate texts, since 2026-12-01; runs started before trained on {corpus}: resume "
                      f"those with data.files=[{corpus / 'train.jsonl'}] data.tokenizer={cache / f'tokenizer-{vocab}'} "
                      f"(or data.files=[{corpus / 'train.txt'}], runs from before they were rows)")
