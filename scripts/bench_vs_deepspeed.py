@@ -15,7 +15,9 @@ after --warmup, DeepSpeed's step time over the engine's (>1: faster than DeepSpe
 CPU offload and against the DeepSpeed row of the same tier), peak RSS, first-step loss minus plain PyTorch's, and the
 largest batch whose peak RSS fits --mem-limit-gib. For that column every engine runs in its most
 memory-frugal setting: each decoder block recomputed from its own kept input (DeepSpeed: the same
-per-block Hugging Face checkpointing; lazytrain: the kept inputs on the engine's tier; plain torch
+per-block Hugging Face checkpointing, and optimizer sub-groups no larger than the largest parameter
+needs, `sub_group_size_for`: its default 1e9 is one group of this model, whose swap buffers alone
+took 3.3 GiB with the state on NVMe; lazytrain: the kept inputs on the engine's tier; plain torch
 keeps everything); peak RSS is measured at --probe-batch and a quarter of it, the batch
 extrapolated linearly and run once to check that it fits (if it does not, the slope is refitted
 through that run and the smaller batch run once more; "~" when not checked).
