@@ -172,7 +172,7 @@ def run_worker(a: argparse.Namespace, engine: str, batch: int, plan_path: Path |
                ds_path: Path | None, steps: int, warmup: int, frugal: bool = False) -> dict:
     """One engine run in its own process. `frugal` (the max-batch probes): lazytrain without its
     kept freed memory (LAZYTRAIN_KEEP_FREED_MEMORY=0, runtime/malloc.py), which holds the heap at
-    its high-water mark for speed: 14.7 vs 10.0 GiB peak RSS at batch 64 here (2026-12-01)."""
+    its high-water mark for speed: 13.7 vs 10.0 GiB peak RSS at batch 64 here (2026-12-01)."""
     cmd = [sys.executable, __file__, "--worker", engine, "--batch", str(batch), "--steps", str(steps),
            "--warmup", str(warmup), "--nvme-dir", a.nvme_dir] + _model_args(a)
     if plan_path:
