@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..plan.plan import PlannerOptions
 from ..spec import HardwareSpec, JobSpec, ModelSpec
+from ..spec.job import short_dtype
 
 
 class ConfigError(ValueError):
@@ -132,11 +133,9 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
 def _check_group_nodes(cfg: DictConfig, overrides: list[str]) -> None:
     """ConfigError for a config group whose chosen file is not a mapping of settings (a
     measured.yaml that holds `[1, 2]` was an omegaconf traceback: a review)."""
-    from omegaconf import DictConfig as _Dict
-
     for d in sorted(p for p in config_dir().iterdir() if p.is_dir()):
-        node = cfg.get(d.name) if isinstance(cfg, _Dict) else None
-        if node is None or isinstance(node, _Dict):
+        node = cfg.get(d.name)
+        if node is None or isinstance(node, DictConfig):
             continue
         choice = next((o.split("=", 1)[1] for o in reversed(overrides)
                        if o.lstrip("+").split("=", 1)[0] == d.name and "=" in o), None)
@@ -215,11 +214,7 @@ def profile_mismatch(cfg: DictConfig, job: JobSpec) -> str | None:
         return None
     diffs = []
     dt = det.get("compute_dtype")   # (the matmul peak and the per-layer times were taken in it)
-    try:
-        same = dt is None or JobSpec(compute_dtype=dt).compute_dtype == job.compute_dtype
-    except (TypeError, ValueError):
-        same = True
-    if not same:
+    if isinstance(dt, str) and short_dtype(dt) != job.compute_dtype:
         diffs.append(f"compute in {dt} (this job: {job.compute_dtype})")
     bits = det.get("host_optimizer_state_bits")
     if bits and job.mode == "full" and int(bits) != job.optimizer_state_bits:

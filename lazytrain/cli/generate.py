@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
         return 0
     as_json = "--json" in argv
     overrides = [a for a in argv if a != "--json"]
-    from ..moe.cliutil import USER_ERRORS, _whole, compose, engine_kwargs, fail
+    from ..moe.cliutil import USER_ERRORS, compose, engine_kwargs, fail, whole_setting
 
     try:
         cfg = compose(overrides)
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
                         if a.lstrip("+").startswith("prompt=")), None)
             prompt = raw if raw is not None and "${" not in raw else str(prompt)
         res = generate(cfg.moe.store, prompt=prompt, prompt_ids=prompt_ids,
-                       max_new_tokens=_whole("max_new_tokens", cfg.max_new_tokens, 1, group=""),
+                       max_new_tokens=whole_setting("max_new_tokens", cfg.max_new_tokens, 1),
                        **engine_kwargs(cfg))
     except USER_ERRORS as e:
         return fail("generate", e)

@@ -613,6 +613,7 @@ class PackedDataset:
         self.seed = seed
         # the stream's end, short of a whole sequence, is not used (reported with an evaluation)
         self.tail_tokens = tokens.numel() - n * seq_len
+        self.files: tuple[Path, ...] = ()   # what it was read from (build_dataset sets it)
         self.sequences = tokens[: n * seq_len].view(n, seq_len)  # [N, S]
         self.learn: torch.Tensor | None = None
         if learn is not None:
@@ -685,7 +686,7 @@ class PackedDataset:
         """A dataset of these (already packed and filtered) sequences."""
         ds = cls.__new__(cls)
         ds.seq_len, ds.seed, ds.sequences, ds.learn = sequences.shape[1], seed, sequences, learn
-        ds.tail_tokens = 0
+        ds.tail_tokens, ds.files = 0, ()
         ds._reset_order()
         return ds
 
@@ -844,4 +845,6 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
     if tokens.numel() == 0:
         raise DataError(f"the data files ({', '.join(str(p) for p in paths[:3])}"
                         f"{', ...' if len(paths) > 3 else ''}) hold no text")
-    return PackedDataset(tokens, seq_len, seed, learn=data.get("learn"))
+    ds = PackedDataset(tokens, seq_len, seed, learn=data.get("learn"))
+    ds.files = tuple(paths)
+    return ds

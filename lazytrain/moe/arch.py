@@ -131,11 +131,11 @@ def config_dtype(hf_config: dict) -> torch.dtype | None:
     return None
 
 
-def load_dtypes(hf_config: dict, dtype: torch.dtype) -> dict[str, torch.dtype]:
+def load_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The dtype `from_pretrained(..., dtype=dtype)` gives each floating state-dict entry, whatever
-    the checkpoint stores: `dtype`, except what the model's code makes in another dtype and its
-    `_keep_in_fp32_modules(_strict)` (fp32 under fp16; the strict ones under bf16 too)."""
-    model = build_meta_model(hf_config, dtype)
+    the checkpoint stores, for a `model` built in `dtype` (build_meta_model): `dtype`, except what
+    the model's code makes in another dtype and its `_keep_in_fp32_modules(_strict)` (fp32 under
+    fp16; the strict ones under bf16 too)."""
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     pats = [(re.compile(str(glob).replace("*", ".*")), d) for glob, d in plan.items()]
     out = {}

@@ -18,13 +18,13 @@ def compose(overrides: list[str]):
     return load_config(ovs)
 
 
-def _whole(name: str, v, lo: int, group: str = "moe.") -> int:
+def whole_setting(name: str, v, lo: int) -> int:
     """A whole number >= lo, or ValueError naming the setting (1.7 was truncated to 1; a negative
     prefetch_extra crashed mid-generation)."""
     if isinstance(v, str) and v.strip().lstrip("-").isdigit():   # ('3', quoted: int("3") took it)
         v = int(v)
     if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()) or v < lo:
-        raise ValueError(f"{group}{name} must be a whole number >= {lo}, got {v!r}")
+        raise ValueError(f"{name} must be a whole number >= {lo}, got {v!r}")
     return int(v)
 
 
@@ -33,9 +33,9 @@ def engine_kwargs(cfg) -> dict:
     return dict(model_path=cfg.model.get("path"), cache_slots=m.cache_slots,
                 cache_fraction=m.cache_fraction, eviction=m.eviction, prefetch=m.prefetch,
                 predictor_path=m.predictor,
-                lookahead=m.lookahead if str(m.lookahead) == "auto" else _whole("lookahead", m.lookahead, 1),
-                prefetch_extra=_whole("prefetch_extra", m.prefetch_extra, 0),
-                device=m.device, io_workers=_whole("io_workers", m.io_workers, 1),
+                lookahead=m.lookahead if str(m.lookahead) == "auto" else whole_setting("moe.lookahead", m.lookahead, 1),
+                prefetch_extra=whole_setting("moe.prefetch_extra", m.prefetch_extra, 0),
+                device=m.device, io_workers=whole_setting("moe.io_workers", m.io_workers, 1),
                 queue_depth=m.queue_depth, verify=m.verify,
                 direct=bool(m.direct_io), host_cache_fraction=m.get("host_cache_fraction", 0.0) or 0.0,
                 host_cache_slots=m.get("host_cache_slots", None))

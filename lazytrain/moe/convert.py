@@ -185,17 +185,11 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
         # every expert's weights found, in their shapes, before anything is written (a missing or
         # misshapen one, found at its layer, left the layers before it behind in `out`)
         for ml in layers:
-            for e in range(ml.num_experts):
-                for t in ml.tensors:
-                    _check_expert_shape(ml, e, t, fused, split, src, files)
-    except BaseException:
-        files.clear()
-        raise
-
-    writer = StoreWriter(out_dir, hf_config)
-    try:
+            for t in ml.tensors:
+                _check_expert_shapes(ml, t, fused, split, src, files)
+        writer = StoreWriter(out_dir, hf_config)
         for ml in layers:
-            writer.write_layer(ml, _expert_reader(ml, fused, split, src, files))
+            writer.write_layer(ml, _expert_reader(ml, fused, split, files))
         tensors = {name: files[shard].get_tensor(key) for name, (shard, key) in non_expert.items()}
     finally:
         files.clear()       # unmap the source shards
@@ -218,25 +212,26 @@ def _first_float_dtype(src: Path) -> torch.dtype | None:
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _check_expert_shape(ml: MoeLayer, e: int, t, fused: dict, split: dict, src: Path,
-                        files: "_OpenShards") -> None:
-    """StoreError unless expert e's tensor t is in the checkpoint with the model's shape."""
-    where = f"{src}: {ml.experts_name} expert {e} {t.name}"
+def _check_expert_shapes(ml: MoeLayer, t, fused: dict, split: dict, src: Path, files: "_OpenShards") -> None:
+    """StoreError unless every expert's tensor t is in the checkpoint with the model's shape: one
+    fused [experts, ...] tensor, or per-expert parts that concatenate to it."""
     if (ml.experts_name, t.name) in fused:
         shard, key = fused[(ml.experts_name, t.name)]
         got = tuple(files[shard].get_slice(key).get_shape())
         if got != (ml.num_experts, *t.shape):
-            raise StoreError(f"{where}: {key} is {list(got)}, the model's is {[ml.num_experts, *t.shape]}")
+            raise StoreError(f"{src}: {ml.experts_name} {t.name}: {key} is {list(got)}, the model's is "
+                             f"{[ml.num_experts, *t.shape]}")
         return
-    hits = _split_parts(ml, e, t.name, split)
-    if hits is None:
-        raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
-                         "(neither fused nor per-expert keys found)")
-    shapes = [tuple(files[shard].get_slice(key).get_shape()) for shard, key in hits]
-    rows = sum(sh[0] for sh in shapes if sh)
-    if any(len(sh) != len(t.shape) or sh[1:] != t.shape[1:] for sh in shapes) or rows != t.shape[0]:
-        raise StoreError(f"{where}: {', '.join(k for _, k in hits)} are {[list(sh) for sh in shapes]}, "
-                         f"which do not make the model's {list(t.shape)}")
+    for e in range(ml.num_experts):
+        hits = _split_parts(ml, e, t.name, split)
+        if hits is None:
+            raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
+                             "(neither fused nor per-expert keys found)")
+        shapes = [tuple(files[shard].get_slice(key).get_shape()) for shard, key in hits]
+        rows = sum(sh[0] for sh in shapes if sh)
+        if any(len(sh) != len(t.shape) or sh[1:] != t.shape[1:] for sh in shapes) or rows != t.shape[0]:
+            raise StoreError(f"{src}: {ml.experts_name} expert {e} {t.name}: {', '.join(k for _, k in hits)} "
+                             f"are {[list(sh) for sh in shapes]}, which do not make the model's {list(t.shape)}")
 
 
 def _safe_open(shard: Path):
@@ -258,19 +253,15 @@ class _OpenShards(dict):
         return f
 
 
-def _expert_reader(ml: MoeLayer, fused: dict, split: dict, src: Path, files: _OpenShards):
+def _expert_reader(ml: MoeLayer, fused: dict, split: dict, files: _OpenShards):
     def read(e: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for t in ml.tensors:
             if (ml.experts_name, t.name) in fused:
                 shard, key = fused[(ml.experts_name, t.name)]
                 out[t.name] = files[shard].get_slice(key)[e]   # reads only expert e's rows
-            else:
-                hits = _split_parts(ml, e, t.name, split)
-                if hits is None:
-                    raise StoreError(f"{src}: no weights for {ml.experts_name} expert {e} {t.name} "
-                                     "(neither fused nor per-expert keys found)")
-                parts = [files[shard].get_tensor(key) for shard, key in hits]
+            else:   # (found before anything was written: _check_expert_shapes)
+                parts = [files[shard].get_tensor(key) for shard, key in _split_parts(ml, e, t.name, split)]
                 out[t.name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
             # in the model's dtype, as from_pretrained casts them (one stored in another was
             # refused mid-write before 2026-12-01, after the old store was gone: a review)

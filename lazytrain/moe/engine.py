@@ -386,7 +386,8 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         # weights so; safetensors orders tensors by dtype).
         dtype = getattr(torch, store.layers[0].tensors[0].dtype) if store.layers else \
             next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
-        model = model.to(dtype)
+        if dtype != model.dtype:   # (built in the config's; a store converted before 2026-12-01 may differ)
+            model = build_meta_model(hf_config, dtype)
         layers = find_moe_layers(model)
         store.check_model(layers)
         expert_keys = {f"{ml.experts_name}.{t.name}" for ml in layers for t in ml.tensors}
@@ -403,7 +404,7 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         # a checkpoint may store some in another (fp32 norms or router in a bf16 checkpoint,
         # which from_pretrained casts; until 2026-12-01 a dtype error mid-generate, a review),
         # and what HF keeps in fp32 stays so.
-        want = load_dtypes(hf_config, dtype)
+        want = load_dtypes(model, dtype)
         sd = {k: v.to(want[k]) if k in want and v.is_floating_point() and v.dtype != want[k] else v
               for k, v in sd.items()}
         model.load_state_dict(sd, strict=False, assign=True)

@@ -80,6 +80,7 @@ def measured_busy(events, skip_first: bool = True) -> tuple[dict[str, float], di
         nbytes[e["step"]][k] += int(e.get("bytes", 0))
     steps = sorted(secs)
     if skip_first and len(steps) > 1:
+        # (runtime.trace.RESUME_KIND, spelt out: this module stays free of torch)
         warm = {steps[0]} | {e.get("first_step") for e in events if e["kind"] == "resume"}
         steps = [s for s in steps if s not in warm] or steps[1:]
     kinds = {k for s in steps for k in secs[s]}

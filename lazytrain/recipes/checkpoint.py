@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from ..storage.aligned_io import DiskIOError
 from ..storage.atomic import atomic_write_text  # noqa: F401 (callers use ckpt.atomic_write_text)
 from ..storage.atomic import fsync_path as _fsync_path
+from ..storage.atomic import jsonl_temps
 from ..storage.filemode import share_like_umask
 
 LATEST = "latest"
@@ -158,18 +159,16 @@ class ShardedTensors(Mapping):
         return len(self._where)
 
 
-def remove_stale_temps(ckpt_root: Path) -> list[str]:
-    """Delete what a killed run left half-written in `ckpt_root` and its output dir (a `.step_*.tmp` dir: a whole
-    checkpoint's engine state, ~100 GB for an 8B full fine-tune; a `.latest.*.tmp` file), which
-    nothing else removes (review). Call with the output dir's lock held. Returns their names."""
+def remove_stale_temps(out: Path, final_tmp: str) -> list[str]:
+    """Delete what a killed run left half-written in output dir `out`, which nothing else removes
+    (review): in `checkpoints/` a `.step_*.tmp` dir (a whole checkpoint's engine state, ~100 GB for
+    an 8B full fine-tune) and `.latest.*.tmp`; in `out` the temp copies of metrics.jsonl /
+    trace.jsonl a resume trims through (a whole trace each) and the final model's temp dir
+    `final_tmp`. Call with the output dir's lock held. Returns their paths below `out`."""
     gone = []
-    out = ckpt_root.parent
-    # and in the output dir: the temp copies of metrics.jsonl / trace.jsonl a resume trims through
-    # (a whole trace each; they stayed for good after a resume killed there: review) and the final
-    # model's temp dir
+    ckpt_root = out / "checkpoints"
     for p in (sorted(ckpt_root.glob(".step_*.tmp")) + sorted(ckpt_root.glob(".latest.*.tmp"))
-              + sorted(out.glob(".metrics.jsonl.*.tmp")) + sorted(out.glob(".trace.jsonl.*.tmp"))
-              + sorted(out.glob("final.tmp"))):
+              + jsonl_temps(out) + sorted(out.glob(final_tmp))):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         gone.append(str(p.relative_to(out)))
     return gone

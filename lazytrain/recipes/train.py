@@ -28,8 +28,7 @@ from safetensors import SafetensorError
 
 from ..cli.config import (ConfigError, check_bool_settings, hardware_spec, hydra_quoted, model_spec,
                           planner_cache_dir, planner_options, profile_mismatch)
-from ..data.dataset import (DataError, PackedDataset, build_dataset, expand_files, load_tokenizer,
-                            read_chat_template)
+from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -280,8 +279,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     template = cfg.data.get("chat_template")
     if template:
         tokenizer.chat_template = read_chat_template(Path(str(template)).expanduser())
-    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len), tokenizer, job.seq_len,
-                             train_files=files)
+    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len), tokenizer, job.seq_len)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
@@ -309,11 +307,11 @@ def dataset_of(cfg: DictConfig, files, tokenizer, seq_len: int) -> PackedDataset
                          add_bos=d.get("add_bos", "auto"), **fields)
 
 
-def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int, train_files=()
+def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
                ) -> tuple[PackedDataset, PackedDataset | None]:
     """(training data, evaluation data or None): data.eval_files, read as the training files are
-    (none of them among `train_files`, expanded), or the last data.eval_fraction of the training
-    sequences, held out."""
+    (none of them among the files `ds` was read from), or the last data.eval_fraction of the
+    training sequences, held out."""
     d = cfg.data
     files, frac = data_files(d, "eval_files"), d.get("eval_fraction") or 0
     if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
@@ -325,20 +323,18 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int, trai
     if not files:
         return ds, None
     try:
-        if train_files:
-            # an evaluation file that is also trained on (in a training dir) was reported as
-            # held-out (review)
-            trained = {os.path.realpath(p) for p in expand_files(list(train_files))}
-            both = [str(p) for p in expand_files([Path(str(f)).expanduser() for f in files])
-                    if os.path.realpath(p) in trained]
-            if both:
-                raise ConfigError(f"data.eval_files: {', '.join(both[:3])} {'is' if len(both) == 1 else 'are'} "
-                                  f"also trained on (reached through data.files): not held out; move "
-                                  f"{'it' if len(both) == 1 else 'them'} out of the training data, or use "
-                                  f"data.eval_fraction")
-        return ds, dataset_of(cfg, files, tokenizer, seq_len)
+        eval_ds = dataset_of(cfg, files, tokenizer, seq_len)
     except DataError as e:
         raise DataError(f"data.eval_files: {e}") from None
+    # an evaluation file that is also trained on (in a training dir) was reported as held-out (review)
+    trained = {os.path.realpath(p) for p in ds.files}
+    both = [str(p) for p in eval_ds.files if os.path.realpath(p) in trained]
+    if both:
+        raise ConfigError(f"data.eval_files: {', '.join(both[:3])} {'is' if len(both) == 1 else 'are'} "
+                          f"also trained on (reached through data.files): not held out; move "
+                          f"{'it' if len(both) == 1 else 'them'} out of the training data, or use "
+                          f"data.eval_fraction")
+    return ds, eval_ds
 
 
 def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) -> float:
@@ -1000,7 +996,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         at["lock_fd"] = lock_output_dir(out)
         # a killed run's half-written files; only under the lock (a filesystem without flock gives
         # none: another run may be writing its checkpoint there)
-        gone = ckpt.remove_stale_temps(out / "checkpoints") if at["lock_fd"] is not None else []
+        gone = ckpt.remove_stale_temps(out, final_tmp(out / "final").name) if at["lock_fd"] is not None else []
         if gone:
             echo(f"removed what an interrupted run left half-written: {', '.join(gone)}")
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
@@ -1231,11 +1227,16 @@ def _summary_end(path: Path, wrote_final: bool = False) -> int | None:
         return None
 
 
+def final_tmp(final_dir: Path) -> Path:
+    """Where the final model is written before its rename (a killed run's is removed at the next)."""
+    return final_dir.with_name(final_dir.name + ".tmp")
+
+
 def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(), step: int | None = None) -> None:
     """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.
     Under a launcher every rank helps gather the weights; rank 0 writes them. `step`: recorded in
     it (FINAL_MARK), so a resume knows whether it is the last checkpoint's."""
-    tmp = final_dir.with_name(final_dir.name + ".tmp")
+    tmp = final_tmp(final_dir)
     if ranks.main:
         shutil.rmtree(tmp, ignore_errors=True)
     try:

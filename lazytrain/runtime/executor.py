@@ -1198,7 +1198,7 @@ class StreamingExecutor:
         for lay in self.layers:
             if lay.publish is not None:
                 lay.publish.result()
-        if fetches and getattr(self, "streamer", None) is not None:
+        if fetches:
             for lay in self.streamer.layers:
                 if lay.fetch is not None:
                     lay.fetch.result()

@@ -16,6 +16,11 @@ COMPUTE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+def short_dtype(name: str) -> str:
+    """A compute dtype's one spelling: bf16 | fp16 | fp32 (an unknown name as it is)."""
+    return _SHORT.get(name, name)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     batch_size: int = 1                 # sequences per micro-batch
@@ -57,7 +62,7 @@ class JobSpec:
             raise ValueError(f"job.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
         # one spelling from here on (DeepSpeed's config took "float16" for no fp16 at all: review)
-        object.__setattr__(self, "compute_dtype", _SHORT.get(self.compute_dtype, self.compute_dtype))
+        object.__setattr__(self, "compute_dtype", short_dtype(self.compute_dtype))
         alpha = self.lora_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
             raise ValueError(f"job.lora_alpha must be a number > 0, got {alpha!r}")

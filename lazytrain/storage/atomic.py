@@ -30,6 +30,12 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise DiskIOError(e.errno, f"write {path}: {e.strerror}") from e
 
 
+def jsonl_temps(folder: Path) -> list[Path]:
+    """The temp copies `keep_jsonl_rows` rewrites through (`.NAME.*.tmp`) in `folder`, left behind
+    by a process killed while it ran."""
+    return sorted(folder.glob(".*.jsonl.*.tmp"))
+
+
 def keep_jsonl_rows(path: Path, keep: Callable[[dict[str, Any]], bool], rows: bool = True) -> list[dict[str, Any]]:
     """Rewrite JSONL `path` with the rows `keep` accepts (a resume drops those of the steps a killed
     run wrote past its checkpoint; a line cut short by the kill goes too, as does one that is not

@@ -114,8 +114,8 @@ def test_api_checks_prefetch_extra_and_verify_before_loading_the_model(mixtral_s
 
 
 def test_quoted_whole_numbers_are_taken():
-    from lazytrain.moe.cliutil import _whole
-    assert _whole("lookahead", "3", 1) == 3 and _whole("prefetch_extra", 2.0, 0) == 2
+    from lazytrain.moe.cliutil import whole_setting
+    assert whole_setting("moe.lookahead", "3", 1) == 3 and whole_setting("moe.prefetch_extra", 2.0, 0) == 2
 
 
 def test_predictor_and_store_paths_expand_home_and_new_dirs(mixtral_store, tiny_moe, tmp_path, monkeypatch):
