@@ -58,7 +58,10 @@ _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 PRESCALE_CLIP_BELOW = 1e-12   # clip**2 * (1 - b2) stays a normal fp32 number above it
 # torch.optim.AdamW group options this optimizer does not implement; a group asking for them is
 # an error rather than silently plain AdamW.
-_UNSUPPORTED_GROUP_OPTIONS = ("amsgrad", "maximize")
+_UNSUPPORTED_GROUP_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+# Settings of the whole optimizer: as group keys they would be silently ignored (a group with its
+# own max_grad_norm was not clipped by it), so they are refused there.
+_OPTIMIZER_WIDE = ("max_grad_norm", "block_size", "min_8bit_numel", "backend")
 # Attributes beyond torch's defaults/state/param_groups that a pickled or deep-copied optimizer
 # needs; the per-device tables and the param -> group cache are rebuilt on demand instead.
 _PICKLED_SETTINGS = ("max_grad_norm", "block_size", "min_8bit_numel", "backend", "skipped_steps")
@@ -67,6 +70,20 @@ _CACHES = ("_tables", "_compiled_tables", "_owner")
 
 _f32 = kernel_torch.f32
 MEMORY_ORDER = "memory_order"   # state key: dims of a non-contiguous parameter, largest stride first
+
+
+def _check_devices(p: torch.Tensor, state: dict) -> None:
+    """The gradient and every state tensor on the parameter's device: the C++ kernel reads raw
+    pointers (a CUDA state read on the host crashes the process) and torch.optim.AdamW refuses
+    this too (a model moved with .to() after steps leaves its optimizer state behind)."""
+    where = {"grad": p.grad.device, **{k: v.device for k, v in state.items() if torch.is_tensor(v) and v.dim()}}
+    off = sorted(k for k, d in where.items() if d != p.device)
+    if off:
+        raise RuntimeError(
+            f"AdamW8bit: a parameter of shape {tuple(p.shape)} is on {p.device} but its "
+            f"{', '.join(f'{k} is on {where[k]}' for k in off)}. Move the model before building the optimizer, "
+            "or move the state with optimizer.load_state_dict(optimizer.state_dict()) after moving it"
+        )
 
 
 def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -251,7 +268,11 @@ class AdamW8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def grad_sq_sum(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         """fp32 0-d tensor: sum of squared gradients of ``params`` (params without grad ignored)."""
-        grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+        # in each parameter's memory order, the order its update reads (a transposed view's norm
+        # was summed in logical order: another rounding, so another clip scale than its
+        # contiguous twin's; an equality the tests assert held on one CPU's random data only)
+        grads = [_flat(p.grad, like=p) if _memory_order(p) is not None else p.grad.reshape(-1)
+                 for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         devices = {g.device for g in grads}
@@ -422,6 +443,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 raise ValueError(f"AdamW8bit: grad shape {tuple(p.grad.shape)} != param {tuple(p.shape)}")
             state = self._init_state(p)   # (a non-dense parameter raises a clear error here)
             self._check_layout(p, state, "AdamW8bit")
+            _check_devices(p, state)
             grad = _flat(p.grad, like=p)
             if grad.dtype not in _SUPPORTED_PARAM_DTYPES or prescale:
                 grad = grad.float()
@@ -431,10 +453,14 @@ class AdamW8bit(torch.optim.Optimizer):
         for items in work.values():
             for _, _, state, _ in items:
                 state["step"] += 1
-        for (device, is8bit), items in work.items():
-            self._update(device, is8bit, items, clip * 2.0 ** shift)
+        errors = [self._update(device, is8bit, items, clip * 2.0 ** shift) for (device, is8bit), items in work.items()]
+        errors = [e for e in errors if e]
+        if errors:   # backend="compile": every parameter was stepped, the failed ones eagerly
+            raise RuntimeError(f"AdamW8bit(backend='compile'): the compiled kernel failed ({errors[0]}); this "
+                               "step was completed by the eager kernel (backend='auto' falls back without raising)")
 
-    def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> None:
+    def _update(self, device: torch.device, is8bit: bool, items: list, clip: float) -> str | None:
+        """One device's parameters of one kind; the compiled kernel's error under backend="compile"."""
         weights = [s["master"] if "master" in s else _flat(p) for p, _, s, _ in items]
         none = torch.empty(0)
         bf16_out = [_flat(p) if "master" in s else none for p, _, s, _ in items]
@@ -464,21 +490,23 @@ class AdamW8bit(torch.optim.Optimizer):
             # backward through a graph that saved these parameters before the step raises instead
             # of silently using the new weights (the torch kernels' in-place ops do this themselves).
             torch.autograd.graph.increment_version([p for p, _, _, _ in items])
-            return
+            return None
         tables = self._tables_on(device)
         compiled = self._compiled_on(device) if is8bit else None
+        error = None
         for w, out, g, (_, _, s, _), hv in zip(weights, bf16_out, grads, items, hyper):
             h = dict(zip(HYPER_FIELDS, hv))
             if is8bit:
                 args = (w, g, s["qm"], s["qv"], s["absmax_m"], s["absmax_v"], h, clip, self.block_size)
-            if compiled is not None:
-                kernel_compiled.adam8bit_update_(*args, compiled, tables, strict=self.backend == "compile")
+            if compiled is not None and error is None:
+                error = kernel_compiled.adam8bit_update_(*args, compiled, tables, strict=self.backend == "compile")
             elif is8bit:
                 kernel_torch.adam8bit_update_(*args, tables)
             else:
                 kernel_torch.adam32_update_(w, g, s["exp_avg"], s["exp_avg_sq"], h, clip)
             if out.numel():
                 out.copy_(w)
+        return error
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then a check of the group as torch appended it (params normalised from a
@@ -496,6 +524,10 @@ class AdamW8bit(torch.optim.Optimizer):
         for k in _UNSUPPORTED_GROUP_OPTIONS:
             if group.get(k):
                 raise TypeError(f"AdamW8bit: param group option {k}={group[k]!r} is not supported")
+        wide = [k for k in _OPTIMIZER_WIDE if k in group]
+        if wide:
+            raise TypeError(f"AdamW8bit: {', '.join(wide)} is a setting of the whole optimizer, not of a param "
+                            "group (one clip norm over all parameters, one block layout); pass it to AdamW8bit(...)")
         # (values a scheduler or the user may set after construction; a beta of 1 divided by zero
         # in the bias correction)
         b1, b2 = (float(b) for b in group["betas"])

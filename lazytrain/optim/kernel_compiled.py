@@ -59,6 +59,13 @@ def _segment(
     av.copy_(av_new)
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor that is not a view: dynamo guards on a view's base too, and
+    duck-sized a 64 x 64 parameter's two dims into one symbol, so every parameter shape made a
+    graph of its own. (Writes through it do not bump the base's version counter: callers do.)"""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def compiled_segment():
     """The compiled ``_segment`` (compiled lazily, once per process)."""
     global _compiled
@@ -101,28 +108,37 @@ def adam8bit_update_(
     tables: DeviceTables,
     eager_tables: Tables,
     strict: bool = False,
-) -> None:
-    """kernel_torch.adam8bit_update_ through the compiled segment (full blocks, then the tail).
+) -> str | None:
+    """kernel_torch.adam8bit_update_ with the full blocks through the compiled segment and the
+    short tail block eagerly.
 
-    A segment whose graph fails to compile runs eagerly instead (a compile error happens before
-    the graph touches any tensor, so nothing is applied twice) and later calls skip compiling;
-    ``strict`` raises instead. Out-of-memory errors are raised as they are.
+    A segment whose graph fails to compile runs eagerly instead, as do the rest of this tensor's
+    (a compile error happens before the graph touches any tensor, so nothing is applied twice);
+    later calls skip compiling. ``strict`` (backend="compile") returns the error instead of
+    recording it, after the same eager completion, so the caller can finish the step and then
+    raise: no parameter is left half-stepped. Out-of-memory errors are raised as they are.
     """
     global _failed
     device = weight.device
     hv = torch.tensor([h[k] for k in HYPER_FIELDS], dtype=torch.float32).to(device, non_blocking=True)
     coef = torch.tensor(grad_coefs(clip, h), dtype=torch.float32).to(device, non_blocking=True)
     fixed = (hv, coef, tables.code_s, tables.code_u, tables.tab_m, tables.tab_v, tables.exp_lo_m, tables.exp_lo_v)
+    error = None
     for seg in kernel_torch.block_segments(weight, grad, qm, qv, am, av, block_size):
-        if _failed is None or strict:
+        # the full blocks [k, block_size] through the graph; a short tail block [1, n] eagerly (a
+        # graph of its own per tail length class: five bf16 tensors of ordinary sizes made five
+        # graphs, and fp32 plus bf16 ones hit dynamo's recompile limit of 8 mid-step)
+        if error is None and (_failed is None or strict) and seg[0].shape[1] == block_size:
             try:
-                compiled_segment()(*seg, *fixed)
+                compiled_segment()(*map(_alias, seg), *fixed)
                 continue
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - inductor / Triton missing or failing
-                if strict:
-                    raise
-                _failed = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-                _LOG.warning("lazytrain.optim: the compiled 8-bit kernel failed (%s); using the eager one", _failed)
+                error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+                if not strict:
+                    _failed = error
+                    _LOG.warning("lazytrain.optim: the compiled 8-bit kernel failed (%s); using the eager one", error)
         kernel_torch._segment(*seg, h, clip, eager_tables)
+    torch.autograd.graph.increment_version([weight, qm, qv, am, av])
+    return error if strict else None

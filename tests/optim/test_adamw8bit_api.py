@@ -166,7 +166,7 @@ def test_load_state_dict_runs_pre_and_post_hooks():
     assert sd["param_groups"][0]["lr"] == 0.1  # the caller's dict is not modified
 
 
-@pytest.mark.parametrize("option", ["maximize", "amsgrad"])
+@pytest.mark.parametrize("option", ["maximize", "amsgrad", "capturable", "differentiable"])
 def test_unsupported_group_options_are_rejected_not_ignored(option):
     p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     with pytest.raises(TypeError, match=option):
@@ -175,6 +175,38 @@ def test_unsupported_group_options_are_rejected_not_ignored(option):
     with pytest.raises(TypeError, match=option):
         opt.add_param_group(dict(params=[q], **{option: True}))
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("key, value", [("max_grad_norm", 1e-3), ("block_size", 64), ("min_8bit_numel", 0),
+                                        ("backend", "torch")])
+def test_optimizer_wide_settings_in_a_group_are_refused(key, value):
+    """A group with its own max_grad_norm was not clipped by it, nor block_size honoured: they
+    are settings of the whole optimizer, and a group key is refused, not ignored (review)."""
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(TypeError, match=f"{key} is a setting of the whole optimizer"):
+        AdamW8bit([dict(params=[p], **{key: value})], lr=0.1)
+    opt = AdamW8bit([p], lr=0.1, **{key: value})   # where it belongs
+    with pytest.raises(TypeError, match=key):
+        opt.add_param_group(dict(params=[q], **{key: value}))
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("key", ["qm", "master", "exp_avg"])
+def test_state_on_another_device_than_its_parameter_is_refused(key):
+    """A model moved with .to() after some steps leaves its state behind: the C++ kernel would
+    read a CUDA state's pointer on the host. Refused by name before anything moves (review; the
+    'meta' device stands in for another device here)."""
+    big = torch.nn.Parameter(torch.randn(8192).bfloat16())
+    small = torch.nn.Parameter(torch.randn(16))
+    opt = AdamW8bit([big, small], lr=1e-2)
+    big.grad, small.grad = torch.randn(8192).bfloat16(), torch.randn(16)
+    opt.step()
+    p = small if key == "exp_avg" else big
+    opt.state[p][key] = opt.state[p][key].to("meta")
+    before = big.detach().clone()
+    with pytest.raises(RuntimeError, match=f"{key} is on meta"):
+        opt.step()
+    assert torch.equal(big.detach(), before) and opt.state[big]["step"] == 1
 
 
 @pytest.mark.gpu
