@@ -240,6 +240,10 @@ class StreamingEngine:
         except ImportError as e:
             raise EngineUnavailable(f"the streaming executor is not available ({e}); "
                                     f"use engine=torch or engine=deepspeed") from None
+        # train mode, as engine=torch and DeepSpeed train: from_pretrained gives an eval-mode
+        # model, and a model.path checkpoint's dropout was silently off here (review); the
+        # executor runs the model in the mode it is given and probes its structure in it
+        model.train()
         self.ex = StreamingExecutor(
             model, plan, device=device, nvme_dir=None if nvme_dir is None else str(nvme_dir),
             optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -677,7 +677,10 @@ class StreamingExecutor:
                 continue
             acc = self.adapter_grads.get(id(p))
             if acc is None:
-                self.adapter_grads[id(p)] = gr.detach().clone()
+                # in the adapter's own layout (autograd's .grad layout contract): fused AdamW reads
+                # a gradient's memory in its parameter's order, and PEFT's lora_embedding_A got
+                # its transposed gradient, each update landing on other elements (review)
+                self.adapter_grads[id(p)] = torch.empty_like(p, dtype=gr.dtype, device=gr.device).copy_(gr)
                 self.acct.alloc(gr.nbytes, "adapter_grads")
             else:
                 acc.add_(gr)

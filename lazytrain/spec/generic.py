@@ -144,7 +144,7 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         parts = find_parts(model)
     except ModelStructureError as e:
         raise ModelConfigError(f"model_type {family!r}: {e}") from None
-    H = int(parts.embed.embedding_dim)
+    H = parts.hidden_size
     L = len(parts.blocks)
     V = int(parts.vocab_size)
     # read from the config object: it maps each family's own key names (GPT-J's n_head, MPT's

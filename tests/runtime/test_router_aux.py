@@ -143,3 +143,36 @@ def test_lora_gets_the_aux_gradient(tmp_path):
     worst = max(rel_err(grads[n], ref_grads[n]) for n in grads)
     assert worst <= REL, f"max rel adapter grad err {worst:.2e}"
     ex.close()
+
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=64, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)
+OTHER_FAMILIES = {
+    # its coefficient is config.aux_loss_coef (was refused: "no router_aux_loss_coef")
+    "jetmoe": dict(head_dim=8, num_local_experts=4),
+    # has output_router_logits, but its forward adds no aux loss (was refused: "no load_balancing_loss_func")
+    "glm4_moe": dict(moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_moe_families_with_other_aux_conventions_match_autograd(family, tmp_path):
+    """Review findings: JetMoE names its coefficient aux_loss_coef, and GLM4-MoE (DeepSeek-V2/V3,
+    dots1 alike) take output_router_logits but add no aux loss; both were refused."""
+    import transformers
+    cfg = transformers.AutoConfig.for_model(family, output_router_logits=True, **SMALL, **OTHER_FAMILIES[family])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    mbs = random_batches(2, seed=1)
+    ref_loss, ref_aux, ref_grads = reference(model, mbs)
+    assert (ref_aux[0] is None) == (family == "glm4_moe")
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)["mixed_segments"]), device="cpu",
+                           nvme_dir=tmp_path, lr=0.0)
+    cap = GradCapture(ex)
+    res = ex.train_step(mbs)
+    ex.wait()
+    assert abs(res.loss - ref_loss) <= REL * abs(ref_loss)
+    assert max(rel_err(cap.grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n] is not None) <= REL
+    ex.close()
