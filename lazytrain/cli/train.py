@@ -249,11 +249,14 @@ def _unquoted(override: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _normalise(list(sys.argv[1:] if argv is None else argv))
-    for a in argv:   # a sweep job's dir (DIR/optim.lr=0.003) unquoted: Hydra's parse error names no fix
-        if _key(a) == "output_dir" and "=" in a.split("=", 1)[1] and a.split("=", 1)[1][:1] not in "'\"":
-            return _error(f"{a}: the path holds '=' (a sweep job's dir), which Hydra reads as another "
-                          f"setting; quote it: output_dir='{a.split('=', 1)[1]}'")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A sweep job's dir (DIR/optim.lr=0.003) unquoted, as a shell leaves `output_dir='DIR'` (the
+    # form the README and the stop/Ctrl-C lines give): quoted for Hydra here, which misread it (a
+    # parse error; until 2026-12-01 a refusal telling the user to quote what they had quoted)
+    argv = [f"output_dir={_quoted(a.split('=', 1)[1])}"
+            if _key(a) == "output_dir" and a.split("=", 1)[1][:1] not in "'\""
+            and any(c in a.split("=", 1)[1] for c in "=,[]{}()' ") else a for a in argv]
+    argv = _normalise(argv)
     argv, taken = _with_run_settings(argv)
     if taken:
         print(f"lazytrain train: resume=true: the run's settings from its .hydra/overrides.yaml: "

@@ -275,6 +275,13 @@ def _up_setting(n: float) -> tuple[float, str]:
     return v, f"{v:.{-e}f}"
 
 
+def _host_grown(hw: HardwareSpec, dev_gib: float, dev_txt: str) -> str:
+    """hardware.host_memory_gib grown by what a CPU device's setting `dev_gib` adds, to that
+    setting's decimals (rounded to 1e-6 first: 4.2 + 0.26 - 0.1 is 4.36 plus float noise, not 4.37)."""
+    d = max(2, len(dev_txt.partition(".")[2]))
+    return f"{math.ceil(round((hw.host_memory_gib + dev_gib - hw.device_memory_gib) * 10**d, 6)) / 10**d:.{d}f}"
+
+
 def _gib(n: float, up: bool = False) -> str:
     """GiB to 0.01 (rounded up with `up`); a non-zero amount below that in MiB (a toy model's
     "0.00 GiB" says nothing)."""
@@ -598,16 +605,15 @@ def _other_device_fixes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         c = min_device_bytes(model, hw, chunked, options, method)
         if isinstance(c, int) and c != TIMED_OUT and c < need:
             fits = c <= hw.device_memory_bytes
-            then = "plans it" if fits else f"brings the need down to {_gib(c, up=True)}"
+            dev_gib, dev_txt = _up_setting(c)   # (to the precision of the need said before it: review)
+            then = "plans it" if fits else f"brings the need down to {dev_txt} GiB"
             if not fits and hw.device_type == "cpu":
                 # a CPU device's budget comes out of host RAM: the host grows with it, where it must
                 # (review: the lower device figure alone did not plan)
-                dev_gib, dev_txt = _up_setting(c)
                 more = replace(hw, device_memory_gib=dev_gib)
                 if _planned(model, more, chunked, options, method) is None:
-                    host_gib = _up(hw.host_memory_gib * GiB + (dev_gib - hw.device_memory_gib) * GiB)
                     then += (f" (hardware.device_memory_gib={dev_txt} and hardware.host_memory_gib="
-                             f"{host_gib:.2f}: the host grows with a CPU device's memory)")
+                             f"{_host_grown(hw, dev_gib, dev_txt)}: the host grows with a CPU device's memory)")
             out.append(f"job.loss_chunk_tokens={CHUNK_SUGGESTED} (the loss over chunks of tokens, never all "
                        f"logits at once) {then}")
     host, _ = _least_host_and_nvme(model, hw, job, options, method)
@@ -712,12 +718,8 @@ def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         # Where the host then runs short, the same amount must be added to host_memory_gib too.
         more = replace(hw, device_memory_gib=need_gib)
         if _planned(model, more, job, options, method) is None:
-            # (to the device setting's decimals; rounded to 1e-6 first: 4.2 + 0.26 - 0.1 is 4.36 plus
-            # float noise, not 4.37)
-            d = max(2, len(need_txt.partition(".")[2]))
-            host_gib = math.ceil(round((hw.host_memory_gib + need_gib - hw.device_memory_gib) * 10**d, 6)) / 10**d
             grow = _up_setting((need_gib - hw.device_memory_gib) * GiB)[1]
-            setting += (f" and hardware.host_memory_gib={host_gib:.{d}f}: a CPU device's memory comes out "
+            setting += (f" and hardware.host_memory_gib={_host_grown(hw, need_gib, need_txt)}: a CPU device's memory comes out "
                         f"of host RAM, which must grow by the same {grow} GiB")
     return [f"{what} hardware.device_memory_gib={hw.device_memory_gib}: this job "
             f"(batch {job.batch_size} x seq {job.seq_len}, {job.mode}) needs at least {need_txt} GiB "

@@ -165,9 +165,12 @@ def test_a_lora_resume_with_other_adapters_or_base_weights_is_refused(text_data,
     assert cli.main([f"output_dir={run}", "resume=true", f"model.path={moved}"]) == 0
 
 
-def test_an_unquoted_sweep_dir_says_to_quote_it(tmp_path, capsys):
-    """Review: `output_dir=DIR/optim.lr=0.003` (unquoted) got Hydra's raw 'mismatched input' error."""
+def test_a_sweep_dir_as_the_shell_passes_it_is_read_as_the_path(base_overrides, tmp_path, capsys):
+    """`output_dir=DIR/optim.lr=0.003` unquoted got Hydra's raw 'mismatched input' error, then
+    (s19) a refusal saying to quote it; but `output_dir='DIR'`, the form the README and the stop
+    line give, reaches the program unquoted from a shell (review s21). It is the path now."""
     out = tmp_path / "sweep" / "optim.lr=0.003"
-    assert cli.main([f"output_dir={out}", "resume=true"]) == 2
-    err = capsys.readouterr().err
-    assert f"quote it: output_dir='{out}'" in err and "mismatched" not in err
+    assert cli.main([*base_overrides, f"output_dir={out}", "job.max_steps=2"]) == 0
+    assert (out / "metrics.jsonl").is_file()
+    assert cli.main([f"output_dir={out}", "resume=true", "job.max_steps=3"]) == 0, capsys.readouterr().err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
