@@ -267,7 +267,10 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         host_static_bytes=model.vocab_size * model.hidden_size * cb
         if (full and model.tie_word_embeddings) else 0,
         host_capacity_bytes=hw.host_capacity_bytes,   # (a CPU device's budget comes out of it)
-        device_capacity_bytes=hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
+        # a CPU device's budget is RAM: at most the usable host RAM (a budget of 30 GiB on a 23.5 GiB
+        # profile planned a 21 GiB peak as fitting: review)
+        device_capacity_bytes=min(hw.device_memory_bytes, hw.host_usable_bytes) if hw.device_type == "cpu"
+        else hw.device_memory_bytes, nvme_capacity_bytes=hw.nvme_capacity_bytes,
         # updates wait for the global norm with clipping, and always under fp16 (its overflow check:
         # runtime.executor's _deferred)
         trains_base=full, clip_grad=job.clip_grad or job.compute_dtype == "fp16",

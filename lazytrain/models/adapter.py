@@ -338,7 +338,8 @@ def check_chunked_loss(parts: DecoderParts) -> None:
     """A chunked loss computes lm_head itself: it needs a plain linear head."""
     if type(parts.head) is not nn.Linear:
         raise ValueError(f"job.loss_chunk_tokens needs a plain nn.Linear lm_head; this model's is "
-                         f"{type(parts.head).__name__} (use job.loss_chunk_tokens=0)")
+                         f"{type(parts.head).__module__}.{type(parts.head).__qualname__} "
+                         f"(use job.loss_chunk_tokens=0)")
     loss_type = getattr(parts.lm, "loss_type", None)
     if loss_type not in (None, "ForCausalLM"):
         raise ValueError(f"job.loss_chunk_tokens computes the causal-LM cross-entropy; this model's "

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import logging
 import math
+import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -109,6 +110,10 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     if job.seq_len > model.max_position_embeddings:
         raise ValueError(f"job.seq_len={job.seq_len} exceeds the model's max_position_embeddings="
                          f"{model.max_position_embeddings}")
+    if explain and hw.device_type == "cpu" and hw.device_memory_bytes > hw.host_usable_bytes > 0:   # (not for advice's checks)
+        log.warning("hardware.device_memory_gib=%g exceeds the %.2f GiB of usable host RAM a CPU device "
+                    "takes it from: planned within %.2f GiB", hw.device_memory_gib, hw.host_usable_bytes / GiB,
+                    hw.host_usable_bytes / GiB)
     h = input_hash(model.hf_config, hw, job, options, method, versions())
     cache = PlanCache(cache_dir) if cache_dir is not None else None
     if cache is not None and use_cache:
@@ -141,7 +146,11 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     # A heuristic returned because the MILP ran out of time (a busy machine, a short limit) is
     # not cached: the next run tries the MILP again instead of being served the fallback for good.
     # Nor is a time limit's "no plan found": a wall-clock outcome, not a property of the inputs.
-    if cache is not None and not plan.solver.fell_back and not timed_out and free_resolve_s == FREE_RESOLVE_S:
+    # Nor an infeasible answer asked for without its explanation: cached, every later `lazytrain
+    # plan` with these inputs printed "infeasible: " and no advice (review).
+    unexplained = not explain and r.status == "infeasible"
+    if (cache is not None and not plan.solver.fell_back and not timed_out and not unexplained
+            and free_resolve_s == FREE_RESOLVE_S):
         try:
             cache.put(plan)
         except OSError as e:   # the cache only saves time: planning goes on without it
@@ -508,6 +517,9 @@ def _least_host_and_nvme(model: ModelSpec, hw: HardwareSpec, job: JobSpec, optio
     memory and the NVMe it needs, the job plans (device memory permitting). Parameters the device holds take no host memory
     (a 16-bit llama3-8b's on a 24 GiB GPU), streamed ones `depth` staging buffers."""
     layouts = _off_device_layouts(model, hw, job, options, method)
+    # those the drive holds, where any does: with no NVMe the floor was a layout needing hundreds
+    # of GiB of it, and more host memory, which plans, was never said (review)
+    layouts = [p for p in layouts if p["nvme"] <= hw.nvme_capacity_bytes] or layouts
     held = [p for p in layouts if p["device"] <= hw.device_memory_bytes]
     if not held:
         # None fits the device: size host and NVMe for the layouts that need the least device
@@ -542,7 +554,7 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                             dict(grad_accum=2, batch_size=b // 2 if b >= 2 and b % 2 == 0 else b)))
     if job.mode != "lora":
         changes.append(("job.mode=lora", dict(mode="lora")))
-    fixes = []
+    fixes, refuted = [], []
     for label, kw in changes:
         try:
             other = replace(job, **kw)
@@ -551,8 +563,13 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         # Each change is planned (only this path pays it), not judged by the layouts' floor: on a
         # small device a change can fit host and NVMe and still not plan, and without NVMe the
         # floor overstates what the planner needs (it keeps some blocks resident).
+        before = getattr(_checks, "unknown", False)
+        _checks.unknown = False
         if (p := _planned(model, hw, other, options, method)) is not None:
             fixes.append(f"{label} (planned host peak {_gib(p.predicted.peak_bytes.get('host', 0), up=True)})")
+        elif not _checks.unknown:
+            refuted.append(label)
+        _checks.unknown = before or _checks.unknown
     costs = job_costs(model, hw, job)
     # the host memory (and NVMe) with which the floor's layout fits, rounded up to 0.01 GiB
     # hardware.host_memory_gib also holds the reserve (and a CPU device's memory: job_costs); the
@@ -568,23 +585,25 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                          if k in more_hw)
     if not more_hw:
         more = "add host memory or NVMe"
-    elif _planned(model, replace(hw, **more_hw), job, options, method) is not None:
+    elif (no := _checked_no(model, replace(hw, **more_hw), job, options, method)) is False:
         more = f"add {short} ({', '.join(needs)})"
+    elif no is None:
+        more = f"add {short} (about {', '.join(needs)}; not checked within planner.time_limit_s)"
     else:
         more = (f"add {short} (with {' '.join(needs)} alone it still does not plan: the device needs "
                 f"more memory too)")
     if "nvme_capacity_gib" in more_hw and options.allow_nvme:
         # or no NVMe at all: the host-only layouts' floor, where more host memory plans it
         # (review: with NVMe capacity 0 only NVMe was suggested)
-        host_only = min(p["host"] for p in _off_device_layouts(model, hw, job, replace(options, allow_nvme=False),
-                                                               method))
+        # (the device-held layouts' floor: the least host of all keeps every parameter on a device
+        # that cannot hold them, and that suggestion never planned: review)
+        host_only = _least_host_and_nvme(model, hw, job, replace(options, allow_nvme=False), method)[0]
         alt = replace(hw, host_memory_gib=max(hw.host_memory_gib, _up(host_only + extra)))
         if alt.host_memory_gib > hw.host_memory_gib and _planned(model, alt, job, options, method) is not None:
             more += f", or add host memory instead (hardware.host_memory_gib={alt.host_memory_gib:.2f}, no NVMe)"
     if fixes:
         return f"{more}, or use {' or '.join(fixes)}"
-    tried = [label for label, _ in changes]
-    return more + (f" (with {_or(tried)} it would not plan either)" if tried else "")
+    return more + (f" (with {_or(refuted)} it would not plan either)" if refuted else "")
 
 
 SUGGESTION_TIME_LIMIT_S = 10.0
@@ -627,14 +646,36 @@ def _other_device_fixes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
     return ("; or " + "; or ".join(out)) if out else ""
 
 
+_checks = threading.local()   # .unknown: a suggestion's check in this explanation hit the time limit
+
+
 def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
              method: str) -> Plan | None:
     """The plan of a suggested change, if it fits (not cached, not explained; at most 10 s of
-    solver time each, as up to four run on the infeasible path)."""
+    solver time each, as up to four run on the infeasible path). A check the time limit cut short
+    is None too, and noted (`_checked_no` tells the two apart): the explanation then says nothing
+    negative of it and is not cached (review: 'job.mode=lora would not plan either' at a 1 ms limit,
+    cached, where LoRA plans)."""
     quick = replace(options, time_limit_s=min(options.time_limit_s, SUGGESTION_TIME_LIMIT_S))
     # (only whether it plans and its host peak matter here: no re-solve for a faster plan)
     p = plan_job(model, hw, job, quick, cache_dir=None, explain=False, method=method, free_resolve_s=0.0)
-    return p if p.fits else None
+    if p.fits:
+        return p
+    if timed_out(p):
+        _checks.unknown = True
+    return None
+
+
+def _checked_no(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions, method: str) -> bool | None:
+    """True: the change was planned and does not fit; False: it fits; None: unknown (time limit)."""
+    before = getattr(_checks, "unknown", False)
+    _checks.unknown = False
+    try:
+        if _planned(model, hw, job, options, method) is not None:
+            return False
+        return None if _checks.unknown else True
+    finally:
+        _checks.unknown = before or _checks.unknown
 
 
 def _or(items: list[str]) -> str:
@@ -661,11 +702,29 @@ def explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
 
 def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
                         method: str) -> tuple[list[str], bool]:
+    """_explain: its answer is unknown too where a suggestion's check hit the time limit."""
+    _checks.unknown = False
+    try:
+        lines, unknown = _explain(model, hw, job, options, method)
+        return lines, unknown or _checks.unknown
+    finally:
+        _checks.unknown = False
+
+
+def _explain(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+             method: str) -> tuple[list[str], bool]:
     """(the explanation, whether planner.time_limit_s left an answer it states unknown: the device
     memory the job needs, its largest batch; a suggestion a time limit kept from being checked is
     just not made, and does not count: review)."""
-    need = min_device_bytes(model, hw, job, options, method)
     what = "no plan fits" if method == "milp" else f"{method} does not fit"
+    if hw.device_type == "cpu" and hw.device_memory_bytes > hw.host_usable_bytes:
+        # a CPU device's memory is host RAM: the budget cannot be met (the advice below would send
+        # the user to a device budget already set: review)
+        return [f"{what}: a CPU device's memory is host RAM, and {_budget(hw)} (hardware.device_memory_gib) "
+                f"exceeds the {_gib(hw.host_usable_bytes)} usable (hardware.host_memory_gib={hw.host_memory_gib:g} "
+                f"less hardware.host_reserve_gib={hw.host_reserve_gib:g}): lower the device budget or raise "
+                f"hardware.host_memory_gib to at least {_up(hw.device_memory_bytes + hw.host_reserve_gib * GiB):.2f}"], False
+    need = min_device_bytes(model, hw, job, options, method)
     if need == TIMED_OUT:   # (plan_job calls this for a proven infeasibility: only the advice is unknown)
         return [f"{what} hardware.device_memory_gib={hw.device_memory_gib} (proven); the search for the "
                 f"device memory it needs hit planner.time_limit_s={options.time_limit_s}: raise it for "
@@ -677,8 +736,9 @@ def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         usable = f"{_gib(cap)} usable" + (f" after the CPU device's {_budget(hw)}"
                                           if hw.device_type == "cpu" else "")
         if host > cap:
-            where = ("even with everything that may live on NVMe there" if options.allow_nvme else
-                     "with NVMe off (planner.allow_nvme=false)")
+            where = ("with NVMe off (planner.allow_nvme=false)" if not options.allow_nvme else
+                     "with no NVMe capacity" if hw.nvme_capacity_bytes <= 0 else
+                     "even with everything that may live on NVMe there")
             why = (f"the host needs about {_gib(host, up=True)} {where} (the least of the layouts checked; "
                    f"it has {usable})")
         else:
@@ -705,9 +765,11 @@ def _explain_infeasible(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
         shortest = replace(job, batch_size=1, seq_len=min(job.seq_len, SHORTEST_SEQ))
         floor = min_device_bytes(model, hw, shortest, options, method) if shortest != job else need
         if floor != TIMED_OUT and (floor is None or floor > hw.device_memory_bytes):   # (timed out: unknown)
-            tail = (f"even batch 1 does not fit {_budget(hw)}, nor would any sequence length "
-                    + (f"(job.seq_len={shortest.seq_len} needs {_up_setting(floor)[1]} GiB: streaming buffers and "
-                       f"workspace)" if floor is not None else "")
+            # (the shortest length checked is said: "nor would any sequence length" was not true
+            # below it, review)
+            tail = (f"even batch 1 does not fit {_budget(hw)}, nor would batch 1 at job.seq_len={shortest.seq_len} "
+                    + (f"(it needs {_up_setting(floor)[1]} GiB: streaming buffers and workspace)"
+                       if floor is not None else "(it does not fit off the device)")
                     + ": add device memory")
         else:
             tail = f"even batch 1 does not fit {_budget(hw)}: shorten job.seq_len or add device memory"

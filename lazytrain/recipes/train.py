@@ -234,7 +234,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     job, max_steps = job_spec_of(cfg)
     profile_mismatch(cfg, job)
     if job.mode == "lora":
-        check_lora_targets(mspec, cfg.model.get("path"), job.lora_targets)
+        check_lora_targets(mspec, cfg.model.get("path"), job.lora_targets, chunked_loss=bool(job.loss_chunk_tokens))
     for what in ("compute_dtype", "master_dtype"):
         if getattr(job, what) not in TORCH_DTYPES:
             raise ConfigError(f"job.{what}={getattr(job, what)} cannot train; valid: "
@@ -349,7 +349,7 @@ def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) ->
     return total / count if count else float("nan")
 
 
-def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> None:
+def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets, chunked_loss: bool = False) -> None:
     """LoRA targets that name no linear layer of the model, reported before anything is written
     (apply_lora's own check runs only once the model is built, after plan.json). The model is
     built on the meta device: no weights are read or allocated."""
@@ -369,6 +369,19 @@ def check_lora_targets(mspec: ModelSpec, model_path: str | None, targets) -> Non
     if missing or not targets:
         raise ConfigError(f"job.lora_targets {missing or list(targets)} match no linear layer of "
                           f"{mspec.name}; its linear layers: {', '.join(names)}")
+    if chunked_loss:   # (the executor's check_chunked_loss, here before anything is written: review)
+        from ..models.adapter import find_parts
+
+        try:
+            head = find_parts(model).head
+        except Exception:  # noqa: BLE001 - the structure finder's refusal is build_model's to report
+            return
+        name = next((n for n, m in model.named_modules() if m is head), "")
+        hit = [t for t in targets if name == t or name.endswith("." + t)]
+        if name and hit:
+            raise ConfigError(f"job.loss_chunk_tokens computes the head itself and needs a plain linear "
+                              f"{name}; job.lora_targets {hit} puts LoRA on it: drop it from the targets "
+                              f"or use job.loss_chunk_tokens=0")
 
 
 def check_safetensors(files: list[Path]) -> None:
@@ -750,21 +763,42 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
                           f"use the settings it was written with or a new output_dir") from None
     echo(f"resumed from {last} (step {state['step']}, data position {state['data_position']})")
     step, was = int(state["step"]), state.get("max_steps")
-    if was is not None and int(was) != pre.max_steps:
-        # lr_at's cosine ends at job.max_steps: another end reshapes the rest of the schedule (not
-        # refused: extending a run is legitimate), from the first step whose lr it changes
-        o = cfg.optim
-
+    # The schedule and step size may change on resume (not refused: extending a run, a lower lr
+    # are legitimate), and each change is said: only job.max_steps was, and optim.warmup_steps=6
+    # given at step 3 warmed the lr up again, silently (review). Checkpoints before 2026-12-01
+    # record only max_steps.
+    now = schedule_settings(cfg, pre.max_steps)
+    then = {**now, **(state.get("schedule") or {}), **({"max_steps": int(was)} if was is not None else {})}
+    changed = [k for k in now if then[k] != now[k]]
+    if set(changed) & set(SCHEDULE_KEYS):
         def lrs(s: int) -> tuple[float, float]:
-            return tuple(lr_at(s, float(o.lr), int(o.warmup_steps), m, float(o.min_lr_ratio))
-                         for m in (int(was), pre.max_steps))
+            return tuple(lr_at(s, float(d["lr"]), int(d["warmup_steps"]), int(d["max_steps"]), float(d["min_lr_ratio"]))
+                         for d in (then, now))
+        what = ", ".join(f"{SETTING_NAMES[k]} {then[k]:g} -> {now[k]:g}" for k in changed if k in SCHEDULE_KEYS)
         s = next((s for s in range(step, pre.max_steps) if lrs(s)[0] != lrs(s)[1]), None)
         if s is not None:
             a, b = lrs(s)
-            echo(f"job.max_steps={pre.max_steps}, the checkpoint's run had job.max_steps={was}: the lr "
-                 f"schedule changes from step {s + 1} on (lr {a:.3g} -> {b:.3g} there; the cosine now "
-                 f"ends at step {pre.max_steps})")
+            echo(f"{what} since the checkpoint's run: the lr schedule changes from step {s + 1} on (lr "
+                 f"{a:.3g} -> {b:.3g} there" + (f"; the cosine now ends at step {pre.max_steps}"
+                                                 if "max_steps" in changed else "") + ")")
+    for k in changed:
+        if k not in SCHEDULE_KEYS:
+            echo(f"{SETTING_NAMES[k]} {then[k]} -> {now[k]} since the checkpoint's run: each step from "
+                 f"step {step + 1} on takes {now['batch_size'] * now['grad_accum']} sequences "
+                 f"(it took {then['batch_size'] * then['grad_accum']}); the data continues where it stopped")
     return step, int(state["data_position"])
+
+
+SCHEDULE_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "max_steps")
+SETTING_NAMES = {"lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "min_lr_ratio": "optim.min_lr_ratio",
+                 "max_steps": "job.max_steps", "batch_size": "job.batch_size", "grad_accum": "job.grad_accum"}
+
+
+def schedule_settings(cfg: DictConfig, max_steps: int) -> dict[str, Any]:
+    """What a checkpoint records of the lr schedule and the step size (a resume says what changed)."""
+    o = cfg.optim
+    return {"lr": float(o.lr), "warmup_steps": int(o.warmup_steps), "min_lr_ratio": float(o.min_lr_ratio),
+            "max_steps": int(max_steps), "batch_size": int(cfg.job.batch_size), "grad_accum": int(cfg.job.get("grad_accum", 1))}
 
 
 # ================================ train ==========================================================
@@ -1034,6 +1068,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             if pre.ds_overrides:
                 echo(f"deepspeed: your settings, merged over the plan's: "
                      f"{json.dumps(pre.ds_overrides, sort_keys=True)}")
+        elif cfg.engine == "torch" and pre.job.loss_chunk_tokens:   # (it was silent: review)
+            echo(f"torch: job.loss_chunk_tokens={pre.job.loss_chunk_tokens} is not followed: plain PyTorch runs "
+                 f"the model's own (unchunked) loss, all logits at once")
         trace = getattr(getattr(engine, "ex", None), "trace", None)   # engine=lazytrain's own
         if last is not None and trace is not None:
             trace.continue_run(done)   # a resume appends, as to metrics.jsonl
@@ -1066,7 +1103,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
 
     def save(step_done: int) -> None:
         state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
-                 **job_identity(cfg, ds, pre)}
+                 "schedule": schedule_settings(cfg, max_steps), **job_identity(cfg, ds, pre)}
         if isinstance(engine, DeepSpeedEngine):
             ckpt.save_checkpoint(ckpt_root, step_done, state,
                                  engine_writer=lambda d: engine.save(d, {"step": step_done}),

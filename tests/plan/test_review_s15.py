@@ -138,7 +138,7 @@ def test_infeasible_advice_names_what_would_help():
     plans the job at this device budget; neither accumulation (gradients may then wait on NVMe)
     nor the chunked loss suggested. Each suggestion is one the planner plans."""
     text = _explain(["model=llama3-8b", "hardware=rtx3090", "hardware.device_memory_gib=0.5", "job.seq_len=16"])
-    assert "nor would any sequence length (job.seq_len=16 needs 4.28 GiB" in text and "shorten" not in text
+    assert "nor would batch 1 at job.seq_len=16 (it needs 4.28 GiB" in text and "shorten" not in text
     text = _explain(["model=llama3-8b", "hardware=rtx3090", "hardware.host_memory_gib=48"])
     assert "job.grad_accum=2 (twice the tokens per step) (planned host peak" in text
     text = _explain(["model=llama3-8b", "hardware=rtx3090", "hardware.device_memory_gib=0.5", "job.mode=lora",

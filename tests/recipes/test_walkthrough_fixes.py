@@ -166,9 +166,9 @@ def test_a_resume_with_another_max_steps_says_the_schedule_changes(base_override
     assert rc == 0, io.err
     rc, io = _main([*args, "job.max_steps=6", "resume=true"], capsys)
     assert rc == 0, io.err
-    notice = [ln for ln in io.out.splitlines() if "job.max_steps=4" in ln]
+    notice = [ln for ln in io.out.splitlines() if "job.max_steps 4 -> 6" in ln]
     assert len(notice) == 1, io.out
-    assert notice[0].startswith("job.max_steps=6, the checkpoint's run had job.max_steps=4: the lr schedule "
+    assert notice[0].startswith("job.max_steps 4 -> 6 since the checkpoint's run: the lr schedule "
                                 "changes from step 4 on (lr ")   # (step 3: the peak lr in both)
     assert notice[0].endswith("there; the cosine now ends at step 6)")
     rc, io = _main([*args, "job.max_steps=6", "resume=true"], capsys)
