@@ -720,10 +720,16 @@ def _explain(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerO
     if hw.device_type == "cpu" and hw.device_memory_bytes > hw.host_usable_bytes:
         # a CPU device's memory is host RAM: the budget cannot be met (the advice below would send
         # the user to a device budget already set: review)
+        base = hw.device_memory_bytes + hw.host_reserve_gib * GiB
+        floor, _ = _least_host_and_nvme(model, hw, job, options, method)   # what the host tier needs besides
+        more = replace(hw, host_memory_gib=_up(base + floor))
+        raise_to = (f"hardware.host_memory_gib to {more.host_memory_gib:.2f} (plans it)"
+                    if _planned(model, more, job, options, method) is not None
+                    else f"hardware.host_memory_gib above {_up(base):.2f}")
         return [f"{what}: a CPU device's memory is host RAM, and {_budget(hw)} (hardware.device_memory_gib) "
-                f"exceeds the {_gib(hw.host_usable_bytes)} usable (hardware.host_memory_gib={hw.host_memory_gib:g} "
-                f"less hardware.host_reserve_gib={hw.host_reserve_gib:g}): lower the device budget or raise "
-                f"hardware.host_memory_gib to at least {_up(hw.device_memory_bytes + hw.host_reserve_gib * GiB):.2f}"], False
+                f"exceeds the {_gib(hw.host_usable_bytes)} usable (hardware.host_memory_gib {hw.host_memory_gib:g} "
+                f"less hardware.host_reserve_gib {hw.host_reserve_gib:g}): lower the device budget or raise "
+                f"{raise_to}"], False
     need = min_device_bytes(model, hw, job, options, method)
     if need == TIMED_OUT:   # (plan_job calls this for a proven infeasibility: only the advice is unknown)
         return [f"{what} hardware.device_memory_gib={hw.device_memory_gib} (proven); the search for the "

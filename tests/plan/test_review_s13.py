@@ -183,7 +183,7 @@ def test_cpu_device_host_shortfall_reports_the_host_the_planner_has():
 def test_cpu_device_host_advice_counts_the_whole_reserve():
     # host 1 GiB is below the 4 GiB reserve: it advised 5.01 (1 + 4 device), which fails on host
     model, h, job, opts, text = _cpu_explanation("hardware.host_memory_gib=1")
-    host = float(re.search(r"hardware\.host_memory_gib=([0-9.]+)", text).group(1))
+    host = float(re.search(r"raise hardware\.host_memory_gib to ([0-9.]+) \(plans it\)", text).group(1))
     assert host == 8.01 and "still does not plan" not in text, text
     assert plan_job(model, replace(h, host_memory_gib=host), job, opts, cache_dir=None).fits
 
