@@ -28,7 +28,7 @@ layer-streaming executor ``grad_sq_sum(params)`` per layer as its gradients land
 ``clip_scale(total_sq)`` once, then ``step_params(params, clip_scale=...)`` per layer.
 Kernels: C++ (csrc/adam8bit.cpp, AVX-512 when the CPU has it, built on first use) for CPU tensors;
 for CUDA tensors the same arithmetic through torch.compile (kernel_compiled.py: inductor/Triton,
-one graph for all steps and sizes); and a bit-identical eager pure-torch fallback (kernel_torch.py)
+one graph per gradient dtype for all steps and sizes); and a bit-identical eager pure-torch fallback (kernel_torch.py)
 for CPUs without a compiler and CUDA setups where compiling fails. Bit-identical means: the same
 update for the same clip scale. The global norm behind that scale is summed in another order by each
 (C++: fp32 sums of 16K-element chunks, FMA lanes, added in double; torch: per-tensor dot products

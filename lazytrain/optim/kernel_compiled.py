@@ -1,9 +1,10 @@
 """torch.compile'd fused step: the CUDA path (inductor generates Triton), also runs on the CPU.
 
 The same arithmetic as kernel_torch.py, written so that one compiled graph serves every step and
-every tensor: the hyper-parameters and clip coefficients arrive as device tensors (Python floats
-would be baked in and recompile every step) and shapes are dynamic (one graph for all block
-counts). Inductor fuses the dequantise, the AdamW update, the per-block absmax and the requantise
+every tensor of a gradient dtype: the hyper-parameters and clip coefficients arrive as device
+tensors (Python floats would be baked in and recompile every step), shapes are dynamic (one graph
+for all block counts) and the tensors arrive as non-view aliases (a view's base shape was guarded
+on too); a tensor's short tail block runs eagerly. Inductor fuses the dequantise, the AdamW update, the per-block absmax and the requantise
 into a few kernels, so each block's parameter, gradient and states are read once and written once.
 Not bit-identical to the eager kernel: the compiler may reorder or contract the float arithmetic;
 tests hold it to the eager kernel within float32 rounding (and to identical codes almost

@@ -781,11 +781,11 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
             echo(f"{what} since the checkpoint's run: the lr schedule changes from step {s + 1} on (lr "
                  f"{a:.3g} -> {b:.3g} there" + (f"; the cosine now ends at step {pre.max_steps}"
                                                  if "max_steps" in changed else "") + ")")
-    for k in changed:
-        if k not in SCHEDULE_KEYS:
-            echo(f"{SETTING_NAMES[k]} {then[k]} -> {now[k]} since the checkpoint's run: each step from "
-                 f"step {step + 1} on takes {now['batch_size'] * now['grad_accum']} sequences "
-                 f"(it took {then['batch_size'] * then['grad_accum']}); the data continues where it stopped")
+    sized = [k for k in changed if k not in SCHEDULE_KEYS]
+    if sized:
+        echo(f"{', '.join(f'{SETTING_NAMES[k]} {then[k]} -> {now[k]}' for k in sized)} since the checkpoint's "
+             f"run: each step from step {step + 1} on takes {now['batch_size'] * now['grad_accum']} sequences "
+             f"(it took {then['batch_size'] * then['grad_accum']}); the data continues where it stopped")
     return step, int(state["data_position"])
 
 
