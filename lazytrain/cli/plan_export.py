@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}: ZeRO-3, params -> {z.get('offload_param', {}).get('device', 'none')}, "
           f"optimizer -> {z.get('offload_optimizer', {}).get('device', 'none')}, "
           f"recompute blocks {_compact(cfg['lazytrain']['recompute_blocks'])}")
+    if cfg["lazytrain"]["recompute_blocks"]:   # (DeepSpeed ignores the lazytrain key: review)
+        print("note: DeepSpeed does not read the recompute blocks (they sit under the config's \"lazytrain\" "
+              "key); your script applies them with lazytrain.integrations.deepspeed.apply_recompute(model, "
+              "blocks) before deepspeed.initialize, as DeepSpeedTrainer does")
     if args.nvme_dir is None and uses_nvme(cfg):
         print(f"note: NVMe offload writes to {default_nvme_dir()} (the default); --nvme-dir DIR puts it "
               f"on the drive you mean")

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "hardware=measured" in argv and not (config_dir() / "hardware" / "measured.yaml").is_file():
         return _error(MEASURED_MISSING)
-    pre = None
+    pre, record = None, None
     no_run = any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv)
     if not no_run and _resume_without_output_dir(argv):   # (--cfg/--help print, whatever resume says)
         return _error(RESUME_NEEDS_OUTPUT_DIR)
@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             pre = preflight(cfg)
             if cfg.get("output_dir"):   # (Hydra's default run dir is a new one)
                 check_output_dir(cfg, Path(str(cfg.output_dir)).expanduser(), pre)
+                if cfg.get("resume"):
+                    record = _RunRecord(Path(str(cfg.output_dir)).expanduser())
         except USER_ERRORS as e:
             return _error(str(e))
         except DiskIOError as e:   # (a damaged or unreadable checkpoint state.json, read to check it)
@@ -289,10 +291,36 @@ def main(argv: list[str] | None = None) -> int:
             if type(e).__module__.startswith(("hydra", "omegaconf")):
                 return _error(str(e).splitlines()[0])
             raise
-    return _hydra_main(argv, str(config_dir()), pre)
+    return _hydra_main(argv, str(config_dir()), pre, record)
 
 
-def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
+class _RunRecord:
+    """A resumed run's .hydra/ record as it was before Hydra rewrites it with this command: put
+    back when the command is refused before it trains, so the next plain resume=true does not
+    take up the refused settings (a refused DeepSpeed change stayed in overrides.yaml, and every
+    later resume failed the same way: review)."""
+
+    def __init__(self, out: Path) -> None:
+        from ..recipes.checkpoint import latest_checkpoint
+
+        self.dir = out / ".hydra"
+        self.files = {p.name: p.read_bytes() for p in self.dir.glob("*.yaml")} if self.dir.is_dir() else {}
+        self.latest = latest_checkpoint(out / "checkpoints")
+        self.out = out
+
+    def restore_if_untrained(self) -> None:
+        from ..recipes.checkpoint import latest_checkpoint
+
+        if not self.files or latest_checkpoint(self.out / "checkpoints") != self.latest:
+            return
+        try:
+            for name, data in self.files.items():
+                (self.dir / name).write_bytes(data)
+        except OSError:   # (the record only saves retyping: the refusal is what the user must see)
+            pass
+
+
+def _hydra_main(argv: list[str], cfg_dir: str, pre, record: _RunRecord | None = None) -> int:
     swept = _swept_keys(argv)
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -342,6 +370,8 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre) -> int:
                 _copy_hydra_record(Path(hc.runtime.output_dir), Path(out))
             s = run(cfg, out, pre=task_pre)
         except USER_ERRORS as e:
+            if record is not None:
+                record.restore_if_untrained()
             status["rc"] = _error(str(e))
             return None
         except TrainingInterrupted as e:   # Ctrl-C: the checkpoints written stay; says how to go on

@@ -155,6 +155,10 @@ class DeepSpeedStepResult:
         return self.loss
 
 
+class ResumeUnsupported(ValueError):
+    """A checkpoint this DeepSpeed setup cannot load correctly (said whole, with what to do)."""
+
+
 class DeepSpeedTrainer:
     """A Hugging Face causal LM (PEFT-wrapped for LoRA: only its trainable parameters train) run by
     `deepspeed.initialize` with a ZeRO-3 config. Optimizer: DeepSpeed's AdamW (DeepSpeedCPUAdam when
@@ -259,6 +263,15 @@ class DeepSpeedTrainer:
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any]:
         d = Path(directory)
+        if (self.ds_config.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device") == "nvme":
+            # DeepSpeed 0.19's ZeRO-3 load purges the NVMe-swapped optimizer state and the next
+            # swap-in overwrites what it restored: such a run went on from its initial weights,
+            # printing "resumed" (review; its checkpoint on disk is right)
+            raise ResumeUnsupported(
+                "this run's optimizer state is on NVMe (zero_optimization.offload_optimizer.device=nvme), "
+                "which DeepSpeed 0.19 does not restore on load (the run would go on from its initial "
+                "weights); resume it with the optimizer on the host: "
+                "+deepspeed.zero_optimization.offload_optimizer.device=cpu")
         if not (d / "latest").is_file():
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {d} (missing {d / 'latest'})")
         path, client_state = self.engine.load_checkpoint(str(d), load_optimizer_states=True,

@@ -139,6 +139,14 @@ def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str 
         notes.append(f"deepspeed: {line}")
     if uses_nvme(cfg) and (msg := check_available(nvme=True)):
         raise EngineUnavailable(msg)
+    # counts DeepSpeed's parser takes but its engine cannot (buffer_count=0 passed the parser and
+    # failed in deepspeed.initialize with an IndexError, after plan.json was written: review)
+    zero = cfg.get("zero_optimization") or {}
+    bad = [f"zero_optimization.{sec}.{k}={v!r}" for sec in ("offload_param", "offload_optimizer")
+           if isinstance(zero.get(sec), dict) for k in ("buffer_count", "buffer_size")
+           if (v := zero[sec].get(k)) is not None and not _at_least_one(v)]
+    if bad:
+        raise ConfigError(f"deepspeed: {', '.join(bad)}: a buffer count and size must be at least 1")
     try:
         DeepSpeedConfig(cfg)
     except Exception as e:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError...
@@ -147,6 +155,16 @@ def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str 
     unread = _unread_by_deepspeed(cfg, overrides, DeepSpeedConfig)
     return notes + [f"deepspeed: DeepSpeed's config parser does not read {k} (misspelt?); DeepSpeed may "
                     f"ignore it" for k in unread]
+
+
+def _at_least_one(v) -> bool:
+    """A number >= 1 as DeepSpeed's parser takes one (an int, a float, a numeric string)."""
+    if isinstance(v, bool):
+        return False
+    try:
+        return float(v) >= 1
+    except (TypeError, ValueError):
+        return True   # (not a number at all: DeepSpeed's parser's to refuse, in its words)
 
 
 class _ReadRecorder(dict):

@@ -39,6 +39,7 @@ from ..storage.filemode import cannot_write_in, hold_flock, share_like_umask
 from ..storage.tiers import remove_dead_scratch, warn_if_memory_backed
 from . import checkpoint as ckpt
 from .ds_settings import check_deepspeed_config, deepspeed_overrides
+from ..integrations.deepspeed import ResumeUnsupported
 from .engines import DeepSpeedEngine, ENGINES, EngineUnavailable, StepStats, StreamingEngine, TorchEngine
 from ..plan import InfeasiblePlanError, plan_job
 from .plan_io import plan_summary
@@ -753,6 +754,8 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
             engine.load_state_dict(tensors)
     except DiskIOError:
         raise
+    except ResumeUnsupported as e:
+        raise ConfigError(f"cannot resume from {last}: {e}") from None
     except OSError as e:   # (DeepSpeed's own files: one deleted gave a FileNotFoundError traceback)
         raise ConfigError(f"cannot resume from {last}: {e.strerror or type(e).__name__}"
                           f"{f' ({e.filename})' if e.filename else ''}; the checkpoint is incomplete: "

@@ -70,13 +70,18 @@ class MemoryAccountant:
         if nbytes <= 0:
             return
         with self._lock:
-            self.live_bytes += nbytes
-            self.by_kind[kind] += nbytes
-            if self.live_bytes > self.peak_bytes:
-                self.peak_bytes = self.live_bytes
-                self.peak_by_kind = dict(self.by_kind)
-            over = self.enforce and self.live_bytes > self.budget_bytes
-            live = self.live_bytes
+            # A placement over the budget is refused and not counted, as an allocator's
+            # out-of-memory error allocates nothing: counted, it stayed so, since its callers do
+            # not take back what raised (a whole layer's gradients or weights leaked into every
+            # later step's count and peak: review)
+            live = self.live_bytes + nbytes
+            over = self.enforce and live > self.budget_bytes
+            if not over:
+                self.live_bytes = live
+                self.by_kind[kind] += nbytes
+                if live > self.peak_bytes:
+                    self.peak_bytes = live
+                    self.peak_by_kind = dict(self.by_kind)
         if over:
             detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(self.by_kind.items()) if v)
             raise DeviceBudgetExceeded(
@@ -108,7 +113,7 @@ class MemoryAccountant:
         try:
             self.alloc(h.nbytes, kind)
         except DeviceBudgetExceeded:
-            self.release(h)   # counted by alloc before it raised: nobody else will uncount it
+            h.counted = False   # (alloc counts nothing it refuses: the storage's death must not uncount it)
             raise
         return h
 
@@ -216,10 +221,10 @@ class OpTemporaries(TorchDispatchMode):
             if grown > 0:
                 with self.acct._drain_lock:
                     ent = self.live.get(id(st))
-                    if ent is not None:
-                        ent[0] += grown
                 if ent is not None:
-                    self.acct.alloc(grown, OP_TEMPORARIES)
+                    self.acct.alloc(grown, OP_TEMPORARIES)   # (counted first: a refused growth is not)
+                    with self.acct._drain_lock:
+                        ent[0] += grown
                 else:
                     self._track(st, grown)
         return out
@@ -231,10 +236,12 @@ class OpTemporaries(TorchDispatchMode):
     def _track(self, st, nbytes: int) -> None:
         key = id(st)
         ent = [nbytes, None]
+        # counted first: alloc refuses (and does not count) a placement over the budget, and a
+        # tracked entry would be uncounted again when the storage dies or the window closes
+        self.acct.alloc(nbytes, OP_TEMPORARIES)
         ent[1] = weakref.ref(st, lambda r, key=key: self.acct._dead.append(partial(self._drop, key, r)))
         with self.acct._drain_lock:
             self.live[key] = ent
-        self.acct.alloc(nbytes, OP_TEMPORARIES)
 
     def adopt(self, t: torch.Tensor) -> None:
         """The executor counts `t` from now on: stop counting its storage here."""

@@ -199,12 +199,18 @@ class ParamStreamer:
             self._pool_bytes -= old.numel()
             self.acct.free(old.numel(), "params_streamed")
             del old   # gone before the new buffer is allocated (it is no longer counted)
-        self._pool_bytes += nb
-        if self.cuda:
-            buf = torch.empty(nb, dtype=torch.uint8, device=self.device)
-        else:
-            buf = aligned_empty(nb)   # aligned: NVMe reads land directly in it
+        # counted first (a placement over the budget raises before the memory is taken, and
+        # leaves neither count behind: review), uncounted if the allocation itself fails
         self.acct.alloc(nb, "params_streamed")
+        try:
+            if self.cuda:
+                buf = torch.empty(nb, dtype=torch.uint8, device=self.device)
+            else:
+                buf = aligned_empty(nb)   # aligned: NVMe reads land directly in it
+        except BaseException:
+            self.acct.free(nb, "params_streamed")
+            raise
+        self._pool_bytes += nb
         return buf
 
     def _fetch(self, lay: StreamedLayer) -> None:

@@ -22,13 +22,16 @@ def test_export_writes_config_and_lists_dropped(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "2 plan decision(s) DeepSpeed cannot express" in text
     assert "segment block.1..block.2" in text and "activation_tier=nvme for block.1" in text
+    # DeepSpeed ignores the "lazytrain" key: a script of one's own must apply the recompute (review)
+    assert "DeepSpeed does not read the recompute blocks" in text and "apply_recompute" in text
 
 
 def test_export_all_expressed(tmp_path, capsys):
     src = tmp_path / "plan.json"
     src.write_text(make_plan().to_json())
     assert main([str(src), "--out", str(tmp_path / "ds.json")]) == 0
-    assert "every plan decision is expressed" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "every plan decision is expressed" in text and "apply_recompute" not in text   # (none to apply)
 
 
 def test_nvme_offload_without_nvme_dir_says_where_it_writes(tmp_path, capsys):

@@ -92,3 +92,36 @@ def test_lora_resume_with_the_optimizer_not_offloaded_is_exact(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     resumed = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+
+
+def test_a_run_with_the_optimizer_on_nvme_is_not_resumed_from_its_initial_weights(data, tmp_path):
+    """DeepSpeed 0.19's load purges the NVMe-swapped optimizer state and the next swap-in
+    overwrites what it restored: the run went on from its initial weights, printing "resumed"
+    (review). Refused in one line; resumed with the optimizer on the host it is exact."""
+    if check_available(nvme=True) is not None:
+        pytest.skip(str(check_available(nvme=True)))
+    from lazytrain.recipes.train import ConfigError
+    nvme = "+deepspeed.zero_optimization.offload_optimizer.device=nvme"
+    ref = _run(data, tmp_path / "ref", "deepspeed", "job.compute_dtype=fp32", nvme)
+    b = tmp_path / "res"
+    _run(data, b, "deepspeed", "job.compute_dtype=fp32", nvme, "stop_at_step=2")
+    with pytest.raises(ConfigError, match="optimizer state is on NVMe.*offload_optimizer.device=cpu"):
+        _run(data, b, "deepspeed", "job.compute_dtype=fp32", nvme, "resume=true")
+    cpu = "+deepspeed.zero_optimization.offload_optimizer.device=cpu"
+    resumed = _run(data, b, "deepspeed", "job.compute_dtype=fp32", cpu, "resume=true")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in ref]
+
+
+def test_a_refused_resume_leaves_the_runs_recorded_settings_as_they_were(data, tmp_path, capsys):
+    """Hydra wrote the refused command's settings (another sub_group_size) into .hydra/overrides.yaml,
+    and every later plain resume=true took them up and failed the same way (review)."""
+    from lazytrain.cli import train as cli
+    out = tmp_path / "r"
+    args = [a for a in _overrides(data, out, "deepspeed", "job.compute_dtype=fp32") if not a.startswith("output_dir=")]
+    assert cli.main([*args, f"output_dir={out}", "stop_at_step=2"]) == 0
+    record = (out / ".hydra" / "overrides.yaml").read_text()
+    assert cli.main([f"output_dir={out}", "resume=true", "+deepspeed.zero_optimization.sub_group_size=50000"]) == 2
+    assert "cannot resume" in capsys.readouterr().err
+    assert (out / ".hydra" / "overrides.yaml").read_text() == record
+    assert cli.main([f"output_dir={out}", "resume=true"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

@@ -97,6 +97,20 @@ def test_deepspeed_rejects_a_misspelt_key_in_preflight(base_overrides, tmp_path)
     assert not out.exists()
 
 
+@pytest.mark.parametrize("key", ["offload_optimizer.buffer_count=0", "offload_param.buffer_size=0"])
+def test_a_zero_buffer_count_is_refused_in_preflight(key, base_overrides, tmp_path):
+    """buffer_count=0 passed DeepSpeed's parser and failed in deepspeed.initialize with an
+    IndexError traceback, after plan.json and nvme/ were written (review)."""
+    pytest.importorskip("deepspeed.runtime.config")
+    out = tmp_path / "run"
+    section = key.split(".")[0]
+    cfg = _cfg(*base_overrides, "engine=deepspeed", f"output_dir={out}",
+               f"+deepspeed.zero_optimization.{section}.device=cpu", f"+deepspeed.zero_optimization.{key}")
+    with pytest.raises(ConfigError, match=f"zero_optimization.{key}: a buffer count and size must be at least 1"):
+        preflight(cfg)
+    assert not out.exists()
+
+
 def test_keys_deepspeed_never_reads_are_noted(base_overrides, tmp_path):
     """Outside the sections DeepSpeed validates, a misspelt key would be ignored silently: the
     preflight notes it (a key DeepSpeed reads is not noted)."""
