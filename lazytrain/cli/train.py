@@ -226,6 +226,15 @@ def _rerooted(override: str, cwd: Path) -> str:
     return override.split("=", 1)[0] + "=" + text
 
 
+def _quoted_output_dir(arg: str) -> str:
+    """`output_dir=V` with V quoted for Hydra where it holds what Hydra would misread (and is not
+    quoted already); any other argument as it is."""
+    if _key(arg) != "output_dir" or "=" not in arg:
+        return arg
+    v = arg.split("=", 1)[1]
+    return f"output_dir={_quoted(v)}" if v[:1] not in "'\"" and any(c in v for c in "=,[]{}()' ") else arg
+
+
 def _quoted(v: str) -> str:
     from .config import hydra_quoted
 
@@ -253,10 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     # A sweep job's dir (DIR/optim.lr=0.003) unquoted, as a shell leaves `output_dir='DIR'` (the
     # form the README and the stop/Ctrl-C lines give): quoted for Hydra here, which misread it (a
     # parse error; until 2026-12-01 a refusal telling the user to quote what they had quoted)
-    argv = [f"output_dir={_quoted(a.split('=', 1)[1])}"
-            if _key(a) == "output_dir" and a.split("=", 1)[1][:1] not in "'\""
-            and any(c in a.split("=", 1)[1] for c in "=,[]{}()' ") else a for a in argv]
-    argv = _normalise(argv)
+    argv = _normalise([_quoted_output_dir(a) for a in argv])
     argv, taken = _with_run_settings(argv)
     if taken:
         print(f"lazytrain train: resume=true: the run's settings from its .hydra/overrides.yaml: "

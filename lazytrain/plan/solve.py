@@ -563,13 +563,11 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
         # Each change is planned (only this path pays it), not judged by the layouts' floor: on a
         # small device a change can fit host and NVMe and still not plan, and without NVMe the
         # floor overstates what the planner needs (it keeps some blocks resident).
-        before = getattr(_checks, "unknown", False)
-        _checks.unknown = False
-        if (p := _planned(model, hw, other, options, method)) is not None:
+        p, cut = _check(model, hw, other, options, method)
+        if p is not None:
             fixes.append(f"{label} (planned host peak {_gib(p.predicted.peak_bytes.get('host', 0), up=True)})")
-        elif not _checks.unknown:
+        elif not cut:
             refuted.append(label)
-        _checks.unknown = before or _checks.unknown
     costs = job_costs(model, hw, job)
     # the host memory (and NVMe) with which the floor's layout fits, rounded up to 0.01 GiB
     # hardware.host_memory_gib also holds the reserve (and a CPU device's memory: job_costs); the
@@ -585,9 +583,9 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
                          if k in more_hw)
     if not more_hw:
         more = "add host memory or NVMe"
-    elif (no := _checked_no(model, replace(hw, **more_hw), job, options, method)) is False:
+    elif (chk := _check(model, replace(hw, **more_hw), job, options, method))[0] is not None:
         more = f"add {short} ({', '.join(needs)})"
-    elif no is None:
+    elif chk[1]:
         more = f"add {short} (about {', '.join(needs)}; not checked within planner.time_limit_s)"
     else:
         more = (f"add {short} (with {' '.join(needs)} alone it still does not plan: the device needs "
@@ -649,33 +647,28 @@ def _other_device_fixes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
 _checks = threading.local()   # .unknown: a suggestion's check in this explanation hit the time limit
 
 
-def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
-             method: str) -> Plan | None:
-    """The plan of a suggested change, if it fits (not cached, not explained; at most 10 s of
-    solver time each, as up to four run on the infeasible path). A check the time limit cut short
-    is None too, and noted (`_checked_no` tells the two apart): the explanation then says nothing
-    negative of it and is not cached (review: 'job.mode=lora would not plan either' at a 1 ms limit,
-    cached, where LoRA plans)."""
+def _check(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+           method: str) -> tuple[Plan | None, bool]:
+    """(the plan of a suggested change if it fits, whether its check hit the time limit). Not
+    cached, not explained; at most 10 s of solver time each, as up to four run on the infeasible
+    path. A check cut short is noted for the explanation, which then says nothing negative of it
+    and is not cached (review: 'job.mode=lora would not plan either' at a 1 ms limit, cached,
+    where LoRA plans)."""
     quick = replace(options, time_limit_s=min(options.time_limit_s, SUGGESTION_TIME_LIMIT_S))
     # (only whether it plans and its host peak matter here: no re-solve for a faster plan)
     p = plan_job(model, hw, job, quick, cache_dir=None, explain=False, method=method, free_resolve_s=0.0)
     if p.fits:
-        return p
-    if timed_out(p):
+        return p, False
+    cut = timed_out(p)
+    if cut:
         _checks.unknown = True
-    return None
+    return None, cut
 
 
-def _checked_no(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions, method: str) -> bool | None:
-    """True: the change was planned and does not fit; False: it fits; None: unknown (time limit)."""
-    before = getattr(_checks, "unknown", False)
-    _checks.unknown = False
-    try:
-        if _planned(model, hw, job, options, method) is not None:
-            return False
-        return None if _checks.unknown else True
-    finally:
-        _checks.unknown = before or _checks.unknown
+def _planned(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+             method: str) -> Plan | None:
+    """The plan of a suggested change, if it fits (`_check`)."""
+    return _check(model, hw, job, options, method)[0]
 
 
 def _or(items: list[str]) -> str:

@@ -770,7 +770,7 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
     # are legitimate), and each change is said: only job.max_steps was, and optim.warmup_steps=6
     # given at step 3 warmed the lr up again, silently (review). Checkpoints before 2026-12-01
     # record only max_steps.
-    now = schedule_settings(cfg, pre.max_steps)
+    now = {**schedule_settings(cfg), "max_steps": pre.max_steps}
     then = {**now, **(state.get("schedule") or {}), **({"max_steps": int(was)} if was is not None else {})}
     changed = [k for k in now if then[k] != now[k]]
     if set(changed) & set(SCHEDULE_KEYS):
@@ -797,11 +797,12 @@ SETTING_NAMES = {"lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "min_lr
                  "max_steps": "job.max_steps", "batch_size": "job.batch_size", "grad_accum": "job.grad_accum"}
 
 
-def schedule_settings(cfg: DictConfig, max_steps: int) -> dict[str, Any]:
-    """What a checkpoint records of the lr schedule and the step size (a resume says what changed)."""
+def schedule_settings(cfg: DictConfig) -> dict[str, Any]:
+    """What a checkpoint records of the lr schedule and the step size besides its max_steps (a
+    resume says what changed)."""
     o = cfg.optim
     return {"lr": float(o.lr), "warmup_steps": int(o.warmup_steps), "min_lr_ratio": float(o.min_lr_ratio),
-            "max_steps": int(max_steps), "batch_size": int(cfg.job.batch_size), "grad_accum": int(cfg.job.get("grad_accum", 1))}
+            "batch_size": int(cfg.job.batch_size), "grad_accum": int(cfg.job.get("grad_accum", 1))}
 
 
 # ================================ train ==========================================================
@@ -1106,7 +1107,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
 
     def save(step_done: int) -> None:
         state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
-                 "schedule": schedule_settings(cfg, max_steps), **job_identity(cfg, ds, pre)}
+                 "schedule": schedule_settings(cfg), **job_identity(cfg, ds, pre)}
         if isinstance(engine, DeepSpeedEngine):
             ckpt.save_checkpoint(ckpt_root, step_done, state,
                                  engine_writer=lambda d: engine.save(d, {"step": step_done}),
