@@ -727,6 +727,13 @@ class StreamingExecutor:
                         self.acct.free(held, "grads")
                         held = 0
                     st.accumulate(list(pg), first, last, shared=borrowed)
+                    if st._direct is not None:
+                        # the update reads these very tensors (pure bf16 on a CPU device): they
+                        # stay counted until it has (with overlap_optimizer=True it runs on the
+                        # optimizer thread while later layers' backward places more; uncounted
+                        # from here they were 8.5-14% of the peak alive uncounted: a review)
+                        st.direct_bytes += held
+                        held = 0
                 except BaseException:
                     self._accum_failed.add(i)   # this step's sum is incomplete: no update from it
                     raise
@@ -779,12 +786,20 @@ class StreamingExecutor:
             # or stale, so the weights and AdamW state stay as they are; the step raises that error
             st.cancel_prefetch()
         else:
-            with self.trace.at_step(step):
-                st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
+            try:
+                with self.trace.at_step(step):
+                    st.update(hp, scale, self._publisher(i), self.opt8.get(st.name) if self.opt8 else None)
+            finally:
+                self._free_direct(st)
         if st.staging is not None:   # keep the read-ahead NVMe_STATE_SETS - 1 layers deep
             k = self._staged_pos[i] + NVME_STATE_SETS - 1
             if k < len(self._staged_order):
                 self.states[self._staged_order[k]].prefetch()
+
+    def _free_direct(self, st) -> None:
+        """Uncount the gradients a layer's update read where they were (LayerState._direct)."""
+        nb, st.direct_bytes = st.direct_bytes, 0
+        self.acct.free(nb, "grads")
 
     def _prefetch_states(self) -> None:
         """Start reading the first NVMe-tier optimizer states this step's updates will need."""
@@ -868,6 +883,10 @@ class StreamingExecutor:
             live = self._track_live(live, h)
             if d.recompute:
                 prev_out = None
+        # The forward's last references: the head's loss (prev_out, out) holds its graph, whose leaf
+        # views the last block's output; held here, that storage outlived the head's backward,
+        # alive through every later layer's and counted by nothing (a review, 2026-12-01).
+        prev_out = out = x = None
         # ---- backward
         g: torch.Tensor | None = None
         i = L - 1
@@ -905,6 +924,7 @@ class StreamingExecutor:
                 for j in range(i, a - 1, -1):
                     self._use_for_backward(j)
                     xj, outj = seg_graphs.pop(j)
+                    self._drop_output(j, outj)
                     g = self._bwd(j, xj, outj, g, first, last, mb)
                     del xj, outj   # (nothing may keep the segment's input alive past its release)
                     live = self._track_live(live, g)
@@ -914,6 +934,7 @@ class StreamingExecutor:
                 self._prefetch_acts(i)
                 self._use_for_backward(i)
                 x, out = graphs.pop(i)
+                self._drop_output(i, out)
                 g = self._bwd(i, x, out, g, first, last, mb)
                 del x, out
                 live = self._track_live(live, g)
@@ -922,6 +943,15 @@ class StreamingExecutor:
         self._end_micro_batch()   # step context, live boundary, router logits
         aux = mb.get("aux")
         return float(mb["loss"]), (float(aux) if aux is not None else None)
+
+    def _drop_output(self, i: int, out: torch.Tensor) -> None:
+        """Before layer i's backward: free its output's storage unless a save holds it (backward
+        needs the output's grad_fn, not its data). The forward frees a stored layer's output once
+        the next layer has run, but not one a save held then (the next segment's device-tier input,
+        uncounted once that segment is released) nor a segment's last recomputed output: both were
+        alive uncounted through this backward (a review, 2026-12-01). The head's loss stays."""
+        if i < self.n_layers - 1 and out.untyped_storage().data_ptr() not in self.acts.protected():
+            out.untyped_storage().resize_(0)
 
     def _prefetch_acts(self, i: int) -> None:
         """Backward is at layer i: start bringing back the offloaded activations of the item in
@@ -1140,6 +1170,7 @@ class StreamingExecutor:
                     st.has_grad = False
                     st.norms = []
                     st._direct = None
+                    self._free_direct(st)
                     if st.staging is not None:
                         self.opt_pool.submit(st.cancel_prefetch).result()
             self._step_adapters(None, skip=True)   # adapter grads: dropped and uncounted
@@ -1283,4 +1314,9 @@ class StreamingExecutor:
                     st.flush()   # write-backs land (or raise) before the files go
         finally:
             self._release()
+            # the adapters and their AdamW state are the model's and torch's from here on
+            acct = getattr(self, "acct", None)
+            for kind in ("adapters", "adapter_optimizer", "adapter_grads"):
+                if acct is not None and acct.by_kind.get(kind):
+                    acct.free(acct.by_kind[kind], kind)
             self.trace.flush()

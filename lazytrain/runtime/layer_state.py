@@ -57,6 +57,7 @@ class LayerTrainState:
         self.has_grad = False
         self._staging: dict[str, torch.Tensor] = {}   # NVMe-tier tensors read for this job
         self._direct: list[torch.Tensor] | None = None  # this step's grads, used where they are
+        self.direct_bytes = 0   # their device bytes, counted by the executor until the update ran
         # NVMe-tier optimizer state through staging sets (None: synchronous, fresh buffers)
         self.staging = staging if optimizer_tier == "nvme" else None
         # Its own I/O workers: the streamer's fetch jobs block pool workers while they wait, and

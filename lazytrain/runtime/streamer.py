@@ -307,3 +307,10 @@ class ParamStreamer:
                 self._pool_bytes -= b.numel()
                 self.acct.free(b.numel(), "params_streamed")
         self._free.clear()
+        # Device-tier layers: the executor lets go of their buffers (they stayed referenced and
+        # counted after close(): a review). Parameters still bound to one (no sync_model() before)
+        # keep it alive as the model's own memory.
+        for lay in self.layers:
+            if lay.resident is not None:
+                self.acct.free(lay.resident.nbytes, "params_resident")
+                lay.resident = None
