@@ -266,9 +266,9 @@ class ActivationStore:
         name = self.names[rec.layer]
         start = self.trace.now()
         flat = torch.empty(rec.host.numel(), dtype=rec.dtype, device=self.device)
-        rec.counted = flat.nbytes
         self.acct.adopt(flat)
-        self.acct.alloc(rec.counted, "activations_fetched")
+        self.acct.alloc(flat.nbytes, "activations_fetched")
+        rec.counted = flat.nbytes   # (once counted: release() frees what is recorded)
         if self.cuda:
             if rec.event is not None:
                 self.h2d_stream.wait_event(rec.event)
@@ -294,9 +294,9 @@ class ActivationStore:
         # their plans: 27 saved tensors a block; review)
         buf = aligned_empty(nb, pin=self.cuda)
         if not self.cuda:
-            rec.counted = rec.nbytes
             self.acct.adopt(buf)
-            self.acct.alloc(rec.counted, "activations_fetched")
+            self.acct.alloc(rec.nbytes, "activations_fetched")
+            rec.counted = rec.nbytes
         write, f, trace = rec.write, la.file, self.trace
 
         def read() -> torch.Tensor:
@@ -325,8 +325,8 @@ class ActivationStore:
                 if self.cuda:
                     start = self.trace.now()
                     dev = torch.empty(flat.numel(), dtype=rec.dtype, device=self.device)
+                    self.acct.alloc(dev.nbytes, "activations_fetched")
                     rec.counted = dev.nbytes
-                    self.acct.alloc(rec.counted, "activations_fetched")
                     dev.copy_(flat)
                     self.trace.add("h2d", self.names[rec.layer], start, self.trace.now(), rec.nbytes, "nvme",
                                    "activation")

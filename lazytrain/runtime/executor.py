@@ -263,6 +263,7 @@ class StreamingExecutor:
         self.step_count = 0
         self._calls = 0
         self._synced = False
+        self._closed = False
         self._pending: list[Future] = []
         self._grads_inflight: deque[Future] = deque()
         self._accum_failed: set[int] = set()   # layers whose accumulation failed this step
@@ -366,14 +367,21 @@ class StreamingExecutor:
         owner: dict[int, int] = {}
         self.layers: list[StreamedLayer] = []
         self.adapters: list[list[nn.Parameter]] = []
+        # adapters a layer uses but an earlier one owns: PEFT's trainable_token_indices on a tied
+        # embedding wraps the head too, with the same delta (review: its gradient from the head
+        # was never taken, silently)
+        self.adapter_borrows: list[list[nn.Parameter]] = []
         borrowed: list[tuple[int, ...]] = []
         self.constants: list[list[nn.Parameter]] = []
         for i, mods in enumerate(self.parts.layer_modules()):
-            streamed, adapters, lenders = [], [], []
+            streamed, adapters, lenders, ad_borrows = [], [], [], []
             for m in mods:
                 for n, p in m.named_parameters(remove_duplicate=False):
                     if id(p) in owner:
-                        if owner[id(p)] != i and owner[id(p)] not in lenders:
+                        if owner[id(p)] != i and self.lora and p.requires_grad:
+                            if all(q is not p for q in ad_borrows):
+                                ad_borrows.append(p)
+                        elif owner[id(p)] != i and owner[id(p)] not in lenders:
                             lenders.append(owner[id(p)])
                         continue
                     owner[id(p)] = i
@@ -401,6 +409,7 @@ class StreamingExecutor:
             # originals, read before the streamer rebinds parameters to its buffers
             self.layers[-1].extra["init_values"] = [p.data for _, p in streamed]
             self.adapters.append([p for _, p in adapters])
+            self.adapter_borrows.append(ad_borrows)
         outside = [n for n, p in self.model.named_parameters() if id(p) not in owner]
         if outside:
             raise ValueError(f"parameters outside embed/blocks/norm/head are not supported: {outside[:3]}")
@@ -613,8 +622,8 @@ class StreamingExecutor:
             self.acct.adopt(t)
         if prev is None:
             nb = sum(t.nbytes for t in logits)
+            self.acct.alloc(nb, "router_logits")   # (recorded once counted: freed by what is recorded)
             mb["rl_bytes"][i] = mb["rl_bytes"].get(i, 0) + nb
-            self.acct.alloc(nb, "router_logits")
         if not mb["recomputing"]:
             mb["rl_leaf"][i] = tuple(t.detach().requires_grad_(True) for t in logits)
         return out
@@ -631,7 +640,7 @@ class StreamingExecutor:
         params = lay.params if self.trainable[i] else []
         # weights borrowed from earlier layers (the tied head's embedding matrix)
         shared = [(j, p) for j in lay.borrows if self.trainable[j] for p in self.layers[j].params]
-        ads = self.adapters[i]
+        ads = [*self.adapters[i], *self.adapter_borrows[i]]   # (a borrowed one's gradient adds to its owner's)
         outs, gouts = [out], [g]
         leaves: list[tuple[int, tuple[torch.Tensor, ...]]] = []
         if mb["router"] is not None:
@@ -668,8 +677,8 @@ class StreamingExecutor:
                 gj = tuple(next(lg) for _ in ts)
                 mb["rl_grad"][j] = gj
                 nb = sum(gt.nbytes for gt in gj if gt is not None)
-                mb["rl_bytes"][j] = mb["rl_bytes"].get(j, 0) + nb
                 self.acct.alloc(nb, "router_logits")
+                mb["rl_bytes"][j] = mb["rl_bytes"].get(j, 0) + nb
             # the forward copies are needed no more (a recomputed block re-produces its own)
             mb["rl_leaf"].clear()
         for p, gr in zip(ads, ag):
@@ -820,8 +829,10 @@ class StreamingExecutor:
                     for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
                     if isinstance(t, torch.Tensor)}.values())
         ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
-        self._mb_held = {"ctx": ctx_bytes, "live": 0, "rl": {}}   # (before: alloc may raise, counted)
+        # (recorded once counted: a refused placement is not counted, and what is recorded is freed)
+        self._mb_held = {"ctx": 0, "live": 0, "rl": {}}
         self.acct.alloc(ctx_bytes, "step_context")
+        self._mb_held["ctx"] = ctx_bytes
         return ctx
 
     def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool,
@@ -985,8 +996,10 @@ class StreamingExecutor:
         self.acct.free(live, "live_boundary")
         n = g.nbytes if g is not None else 0
         if self._mb_held is not None:
-            self._mb_held["live"] = n   # (before: alloc may raise, counted)
-        self.acct.alloc(n, "live_boundary")
+            self._mb_held["live"] = 0
+        self.acct.alloc(n, "live_boundary")   # (may refuse: then nothing of it is counted or recorded)
+        if self._mb_held is not None:
+            self._mb_held["live"] = n
         return n
 
     def _end_micro_batch(self) -> None:
@@ -1008,6 +1021,7 @@ class StreamingExecutor:
         The step's loss is the mean of the micro-batches' (mean) losses; `weights` (one per
         micro-batch, default 1) scale each in that mean: with n * learned_tokens_k / learned_tokens
         it is the mean over every learned token of the step (recipes.train.token_weights)."""
+        self._check_open("train_step")
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         if weights is not None and (len(weights) != len(micro_batches)
@@ -1103,6 +1117,7 @@ class StreamingExecutor:
         forward only: the layers stream in forward order as in training, nothing is kept for a
         backward, and the modules run in eval mode (dropout off). The language-model loss alone (a
         MoE router's auxiliary loss is a training term). Between steps only."""
+        self._check_open("eval_loss")
         if ids.dim() != 2 or ids.shape != labels.shape:
             raise ValueError(f"eval_loss: input_ids and labels must both be [B, S], got {tuple(ids.shape)} "
                              f"and {tuple(labels.shape)}")
@@ -1261,6 +1276,7 @@ class StreamingExecutor:
         `full_precision`: the trained layers get their master weights (fp32 with an fp32 master),
         what a saved model must hold: rounded to the compute dtype, a fine-tune's small updates
         are partly lost (as the other engines, which save their fp32 weights)."""
+        self._check_open("sync_model")
         self.wait()
         self.streamer.invalidate()
         for i, lay in enumerate(self.layers):
@@ -1280,6 +1296,7 @@ class StreamingExecutor:
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Full FT: every weight (compute dtype) by model parameter name; LoRA: the adapters."""
+        self._check_open("trainable_state")
         self.wait()
         if self.lora:
             return {self.param_names[id(p)]: p.detach().cpu().clone() for p in self.adapter_params}
@@ -1293,20 +1310,33 @@ class StreamingExecutor:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights, optimizer state and step; tensors only (safetensors-able)."""
+        self._check_open("state_dict")
         return executor_state_dict(self)
 
     def state_shards(self):
         """`state_dict()` one layer at a time (an iterator of flat tensor dicts)."""
+        self._check_open("state_shards")
         return executor_state_shards(self)
 
     def load_state_dict(self, sd) -> None:
         """From a flat tensor dict, or any mapping that loads tensors on access (one at a time)."""
+        self._check_open("load_state_dict")
         load_executor_state_dict(self, sd)
+
+    def _check_open(self, what: str) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"StreamingExecutor.{what}(): the executor is closed (its threads, buffers and "
+                               f"scratch files are released); call sync_model() or state_dict() before close()")
 
     def close(self) -> None:
         """Release threads, buffers and scratch files. The model's parameters were moved into the
         executor's storage: call sync_model() first to keep the trained weights in the model (a
-        closed executor's model has empty parameters, which a new executor refuses, saying so)."""
+        closed executor's model has empty parameters, which a new executor refuses, saying so).
+        Closing again does nothing; anything else after close() raises, saying so (it crashed on
+        released buffers and pools, or read weights a closed executor no longer holds: a review)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         try:
             self.wait()
             for st in getattr(self, "states", []):

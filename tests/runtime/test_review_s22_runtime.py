@@ -114,3 +114,95 @@ def test_close_leaves_nothing_counted_and_no_device_buffer_referenced(mode):
         assert torch.equal(p.detach(), trained[n]), n
     ex.close()   # (twice: nothing more to release)
     assert ex.acct.live_bytes == 0
+
+
+@pytest.mark.parametrize("family,plan_name", [("llama", "acts_host"), ("llama", "recompute_all"),
+                                              ("mixtral", "mixed_segments")])
+def test_a_failed_step_never_leaves_a_kind_below_zero(family, plan_name):
+    """Since a refused placement is not counted (session 21), what its callers had recorded as held
+    before placing it (the step context, the live boundary, an activation brought back, router
+    logits) was freed on the abort path all the same: those kinds went negative, for every later
+    step's budget check and peak and after close() (review). Budgets are scanned so that steps fail
+    at placements of every kind."""
+    from lazytrain.runtime.accountant import DeviceBudgetExceeded
+    from lazytrain.runtime.testing import plan_families
+
+    model = tiny_model(family)
+    with __import__("tempfile").TemporaryDirectory() as d:
+        ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)[plan_name]), device="cpu",
+                               nvme_dir=d)
+        ex.train_step(random_batches(1, seed=0))
+        ex.wait()
+        full, failed_at = ex.acct.budget_bytes, set()
+        for extra in range(0, 1 << 22, 1536):
+            before = {k: v for k, v in ex.acct.by_kind.items() if v}
+            ex.acct.budget_bytes = ex.acct.live_bytes + extra
+            try:
+                ex.train_step(random_batches(1, seed=1))
+                ex.wait()
+                break
+            except DeviceBudgetExceeded as e:
+                failed_at.add(str(e).split("while placing ")[1].split(";")[0])
+                after = {k: v for k, v in ex.acct.by_kind.items() if v}
+                assert after == before, (extra, str(e)[:80], before, after)
+        ex.acct.budget_bytes = full
+        assert len(failed_at) >= 3, failed_at
+        ex.close()
+        assert ex.acct.live_bytes == 0 and min(ex.acct.by_kind.values(), default=0) == 0
+
+
+def test_after_close_calls_say_the_executor_is_closed():
+    """After close() the device-tier buffers and the pools are released: sync_model() crashed on a
+    released buffer (AttributeError) and eval_loss() on a shut-down pool (review). Every public call
+    now says the executor is closed and what to do; closing again does nothing."""
+    model = tiny_model("llama", hidden_size=64, intermediate_size=128, vocab_size=256, num_hidden_layers=2)
+    ex = StreamingExecutor(model, hand_plan(2), device="cpu")
+    (ids, labels), = random_batches(1, seed=0, batch=1, seq=8, vocab=256)
+    ex.train_step([(ids, labels)])
+    ex.close()
+    ex.close()
+    for call in (lambda: ex.sync_model(), lambda: ex.eval_loss(ids, labels), lambda: ex.state_dict(),
+                 lambda: ex.train_step([(ids, labels)]), lambda: ex.trainable_state()):
+        with pytest.raises(RuntimeError, match=r"closed.*sync_model\(\) or state_dict\(\) before close"):
+            call()
+
+
+@pytest.mark.parametrize("family", ["qwen2-tied", "llama-tied"])
+@pytest.mark.parametrize("plan_name", ["all_resident", "recompute_all"])
+def test_trainable_tokens_on_a_tied_embedding_get_the_heads_gradient_too(family, plan_name):
+    """PEFT's trainable_token_indices on a tied embedding wraps the head with the same delta
+    parameter. The executor gave the adapter to the embedding only: the head's part of its gradient
+    was never taken (relative error 1.0; zero where a batch has none of the tokens), silently
+    (review). Now the gradient equals plain PEFT autograd's."""
+    from peft import LoraConfig, get_peft_model
+
+    from lazytrain.runtime.testing import plan_families, rel_err
+
+    model = get_peft_model(tiny_model(family), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                          trainable_token_indices={"embed_tokens": [1, 2, 3]}))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "trainable_tokens_delta" in n:
+                p.normal_(0, 0.02)
+    mbs = random_batches(1, seed=7)
+    ref = copy.deepcopy(model)
+    loss = ref(input_ids=mbs[0][0], labels=mbs[0][1]).loss
+    loss.backward()
+    ex = StreamingExecutor(copy.deepcopy(model), hand_plan(3, **plan_families(3)[plan_name]), device="cpu", lr=0.0)
+    seen = {}
+    step0 = ex._step_adapters
+
+    def capture(scale, skip=False):
+        seen.update({ex.param_names[id(p)]: ex.adapter_grads[id(p)].clone() for p in ex.adapter_params
+                     if id(p) in ex.adapter_grads})
+        return step0(scale, skip)
+
+    ex._step_adapters = capture
+    r = ex.train_step(mbs)
+    ex.close()
+    assert abs(r.loss - loss.item()) <= 1e-6 * abs(loss.item())
+    deltas = [n for n, p in ref.named_parameters() if "trainable_tokens_delta" in n]
+    assert deltas
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert rel_err(seen[n], p.grad) <= 1e-5, (n, rel_err(seen[n], p.grad))
