@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -356,6 +357,15 @@ def main() -> int:
                 if est < 1:
                     break
                 pp, dp, _, pend = prepare(a, e, est, tmp, frugal=True)
+                fit = re.search(r"the largest batch that fits [\d.]+ GiB is (\d+)", pend or "")
+                if fit and int(fit.group(1)) < est:
+                    # the planner's own device budget (the cpu profile's 12 GiB) is what stops it: the
+                    # largest batch it plans is the one to run (a 2026-12-01 run reported ">= 128
+                    # (run failed)" for the planner's refusal of 128, where it plans 122)
+                    print(f"[{e}] batch {est} does not plan ({pend.splitlines()[0][:160]}...); "
+                          f"verifying the planner's largest, {fit.group(1)}", flush=True)
+                    est = int(fit.group(1))
+                    pp, dp, _, pend = prepare(a, e, est, tmp, frugal=True)
                 v = ({"error": pend} if pend else run_worker(a, e, est, pp, dp, steps=1, warmup=0, frugal=True))
                 print(f"[{e}] verify batch {est}: {json.dumps(v)}", flush=True)
                 probes[e].update(estimate=est, verified_rss=v.get("peak_rss_bytes"), verify_error=v.get("error"),
