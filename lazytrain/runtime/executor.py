@@ -806,7 +806,7 @@ class StreamingExecutor:
                 self.states[self._staged_order[k]].prefetch()
 
     def _free_direct(self, st) -> None:
-        """Uncount the gradients a layer's update read where they were (LayerState._direct)."""
+        """Uncount the gradients a layer's update read where they were (LayerTrainState._direct)."""
         nb, st.direct_bytes = st.direct_bytes, 0
         self.acct.free(nb, "grads")
 

@@ -1,4 +1,4 @@
-"""Fixes from the session-21 memory-accounting review's open findings (fixed in session 22)."""
+"""Session 22: the session-21 memory-accounting review's open findings, and a review of their fixes."""
 
 import copy
 import weakref
