@@ -651,9 +651,9 @@ def _check(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOpt
            method: str) -> tuple[Plan | None, bool]:
     """(the plan of a suggested change if it fits, whether its check hit the time limit). Not
     cached, not explained; at most 10 s of solver time each, as up to four run on the infeasible
-    path. A check cut short is noted for the explanation, which then says nothing negative of it
-    and is not cached (review: 'job.mode=lora would not plan either' at a 1 ms limit, cached,
-    where LoRA plans)."""
+    path. A check cut short says nothing negative of its suggestion; cut by planner.time_limit_s
+    itself it is noted for the explanation, which is then not cached (review: 'job.mode=lora would
+    not plan either' at a 1 ms limit, cached, where LoRA plans)."""
     quick = replace(options, time_limit_s=min(options.time_limit_s, SUGGESTION_TIME_LIMIT_S))
     # (only whether it plans and its host peak matter here: no re-solve for a faster plan)
     p = plan_job(model, hw, job, quick, cache_dir=None, explain=False, method=method, free_resolve_s=0.0)
