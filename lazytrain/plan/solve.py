@@ -660,7 +660,7 @@ def _check(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOpt
     if p.fits:
         return p, False
     cut = timed_out(p)
-    if cut and options.time_limit_s <= SUGGESTION_TIME_LIMIT_S:
+    if cut and _planners_limit_cuts_checks(options):
         # planner.time_limit_s itself cut it: raising it may change the answer (not cached, and
         # said so). Cut by the suggestions' own cap, the suggestion is just not made: the answer
         # does not depend on planner.time_limit_s, which the line would tell the user to raise
@@ -669,9 +669,14 @@ def _check(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOpt
     return None, cut
 
 
+def _planners_limit_cuts_checks(options: PlannerOptions) -> bool:
+    """Whether planner.time_limit_s (not the checks' own cap, below it) is what limits a check."""
+    return options.time_limit_s <= SUGGESTION_TIME_LIMIT_S
+
+
 def _check_limit(options: PlannerOptions) -> str:
-    """What cuts a suggestion's check short: planner.time_limit_s, or the checks' own cap below it."""
-    if options.time_limit_s <= SUGGESTION_TIME_LIMIT_S:
+    """What cuts a suggestion's check short, in words."""
+    if _planners_limit_cuts_checks(options):
         return "planner.time_limit_s"
     return f"the {SUGGESTION_TIME_LIMIT_S:g} s each suggestion's check is given"
 
