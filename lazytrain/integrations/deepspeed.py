@@ -318,12 +318,17 @@ class DeepSpeedTrainer:
                 sd[k] = masters[k]
         return sd
 
-    def save_pretrained(self, directory: str | os.PathLike, write: bool = True) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, write: bool = True,
+                        base_dir: str | os.PathLike | None = None) -> None:
         """HF dir (full FT) or PEFT adapter dir (LoRA) from the gathered weights, safetensors.
-        Gathering is collective: under a launcher every rank calls this, one with `write`."""
+        Gathering is collective: under a launcher every rank calls this, one with `write`.
+        `base_dir` (a PEFT model): its frozen base model too, as an HF dir, from the same gather."""
         sd = self.full_state_dict(keep=write)
         if write:
             self.model.save_pretrained(str(directory), state_dict=sd)
+            if base_dir is not None:
+                from ..models.lora import save_base_model
+                save_base_model(self.model, base_dir, peft_state=sd)
 
     def close(self) -> None:
         destroy = getattr(self.engine, "destroy", None)

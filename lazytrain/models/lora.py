@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import torch
 from torch import nn
+
+# What a PEFT model's state dict holds beside the base model's own weights (LoRA's matrices, DoRA's
+# magnitudes, trainable-token deltas, modules_to_save's trained copies)
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.",
+                  ".token_adapter.", ".modules_to_save.")
 
 
 def unmatched_targets(model: nn.Module, targets: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -31,3 +37,38 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str]
     cfg = LoraConfig(r=int(rank), lora_alpha=float(alpha), target_modules=list(targets),
                      lora_dropout=float(dropout), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)
+
+
+def base_state_dict(peft_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The frozen base model's weights in a PEFT model's `state_dict()`, under the base model's own
+    names (what `AutoModelForCausalLM.from_pretrained` expects): adapter tensors left out, PEFT's
+    `base_model.model.` prefix and the wrapped layers' `.base_layer` / `.original_module` dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in peft_state.items():
+        if any(part in k for part in _ADAPTER_PARTS):
+            continue
+        name = k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+        if name in out and out[name] is not v:
+            raise ValueError(f"two base tensors map to {name!r} (PEFT's key layout changed?)")
+        out[name] = v
+    return out
+
+
+def save_base_model(peft_model: nn.Module, directory, peft_state: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write the frozen base model under a PEFT model as an HF model dir (safetensors) that
+    `AutoModelForCausalLM.from_pretrained` loads. `peft_state`: the PEFT model's state dict when
+    the caller has gathered it (DeepSpeed ZeRO-3), else read from the model."""
+    sd = base_state_dict(peft_model.state_dict() if peft_state is None else peft_state)
+    peft_model.get_base_model().save_pretrained(str(directory), state_dict=sd, safe_serialization=True)
+
+
+def point_adapter_at_base(adapter_dir, base_dir) -> None:
+    """Record `base_dir` as the base model of the adapter saved in `adapter_dir` (its
+    adapter_config.json's base_model_name_or_path, which `AutoPeftModelForCausalLM` loads)."""
+    import json
+    from pathlib import Path
+
+    f = Path(adapter_dir) / "adapter_config.json"
+    cfg = json.loads(f.read_text())
+    cfg["base_model_name_or_path"] = str(base_dir)
+    f.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

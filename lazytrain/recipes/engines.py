@@ -337,10 +337,11 @@ class DeepSpeedEngine:
     def set_lr(self, lr: float) -> None:
         self.tr.set_lr(lr)
 
-    def save_pretrained(self, d: Path, write: bool = True) -> None:
+    def save_pretrained(self, d: Path, write: bool = True, base_dir: Path | None = None) -> None:
         """HF dir (full) / PEFT adapter dir (LoRA) gathered from ZeRO-3's partitions (a collective:
-        every rank calls it; only those with `write` write files)."""
-        self.tr.save_pretrained(str(d), write=write)
+        every rank calls it; only those with `write` write files). `base_dir`: LoRA's frozen base
+        model too, an HF dir there (from the same gather)."""
+        self.tr.save_pretrained(str(d), write=write, base_dir=None if base_dir is None else str(base_dir))
 
     def save(self, d: Path, client_state: dict) -> None:
         self.tr.save_checkpoint(str(d), client_state)

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from ..cli.config import (ConfigError, check_bool_settings, hardware_spec, hydra_quoted, model_spec,
                           planner_cache_dir, planner_options, profile_mismatch)
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
-from ..models.lora import apply_lora, unmatched_targets
+from ..models.lora import apply_lora, point_adapter_at_base, save_base_model, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
 from ..spec.model import ModelConfigError
@@ -1182,7 +1182,8 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             at["saving"] = "final"
             engine.sync_model()
             final_dir = out / "final"
-            save_final_model(engine, tokenizer, final_dir, ranks, step=step)
+            save_final_model(engine, tokenizer, final_dir, ranks, step=step,
+                             with_base=pre.job.mode == "lora" and not cfg.model.get("path"))
     finally:
         engine.close()
     summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run, metrics.earlier)
@@ -1273,21 +1274,30 @@ def final_tmp(final_dir: Path) -> Path:
     return final_dir.with_name(final_dir.name + ".tmp")
 
 
-def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(), step: int | None = None) -> None:
+def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(), step: int | None = None,
+                     with_base: bool = False) -> None:
     """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.
     Under a launcher every rank helps gather the weights; rank 0 writes them. `step`: recorded in
-    it (FINAL_MARK), so a resume knows whether it is the last checkpoint's."""
+    it (FINAL_MARK), so a resume knows whether it is the last checkpoint's. `with_base` (LoRA on a
+    model built from its config, whose base exists nowhere else): the frozen base weights the
+    adapters were trained with go to `final/base` (an HF model dir), and the adapter's config names
+    that dir as its base model (so `AutoPeftModelForCausalLM.from_pretrained(final)` loads both)."""
     tmp = final_tmp(final_dir)
     if ranks.main:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         if isinstance(engine, DeepSpeedEngine):
-            engine.save_pretrained(tmp, write=ranks.main)   # a collective gather on every rank
+            # a collective gather on every rank
+            engine.save_pretrained(tmp, write=ranks.main, base_dir=tmp / "base" if with_base else None)
         else:
             engine.model.save_pretrained(str(tmp), safe_serialization=True)
+            if with_base:
+                save_base_model(engine.model, tmp / "base")
         ranks.barrier()
         if not ranks.main:
             return
+        if with_base:
+            point_adapter_at_base(tmp, final_dir.resolve() / "base")
         tokenizer.save_pretrained(str(tmp))
         if step is not None:
             (tmp / FINAL_MARK).write_text(json.dumps({"step": int(step)}))
