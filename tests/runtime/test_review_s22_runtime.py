@@ -53,8 +53,9 @@ def test_gradients_read_in_place_stay_counted_until_their_update_ran():
     """Pure bf16 on a CPU device with one micro-batch: the update reads a layer's gradients where
     they are. They were uncounted as soon as accumulate() returned; with the optimizer on its own
     thread the update runs later, while the next layer's backward places more (8.5-14% of the
-    peak alive uncounted, a review). Updates are slowed down here so that the next backward starts
-    while one is pending: the gradients still read in place must be counted at every point."""
+    peak alive uncounted, a review). Updates are slowed down here: the gradients still read in place
+    must be counted at every point, and (since 2026-12-02, as the plan counts one layer's gradients
+    on a CPU device) each update has run before the next layer's backward begins."""
     import time
 
     model = tiny_model("llama", hidden_size=H, intermediate_size=256, vocab_size=256, num_hidden_layers=L,
@@ -68,11 +69,16 @@ def test_gradients_read_in_place_stay_counted_until_their_update_ran():
     def pending() -> int:
         return sum(t.nbytes for st in ex.states if st is not None and (d := st._direct) is not None for t in d)
 
+    starts: list[int] = []   # gradients pending in place when a layer's backward begins
+
     def update(i, *a):
+        seen.append((i, ex.acct.by_kind["grads"], pending()))
         time.sleep(0.05)
+        seen.append((i, ex.acct.by_kind["grads"], pending()))
         return upd0(i, *a)
 
     def bwd(i, x, out, g, first, last, mb):
+        starts.append(pending())
         seen.append((i, ex.acct.by_kind["grads"], pending()))
         r = bwd0(i, x, out, g, first, last, mb)
         seen.append((i, ex.acct.by_kind["grads"], pending()))
@@ -80,9 +86,10 @@ def test_gradients_read_in_place_stay_counted_until_their_update_ran():
 
     ex._update, ex._bwd = update, bwd
     ex.train_step(random_batches(1, seed=0, batch=B, seq=S, vocab=256))
-    assert sum(1 for _, _, p in seen if p > 0) >= 2, seen   # the window was exercised
+    assert sum(1 for _, _, p in seen if p > 0) >= 2, seen   # updates read gradients in place
     for i, counted, alive in seen:
         assert counted >= alive, (i, counted, alive)
+    assert len(starts) == L + 2 and not any(starts), starts   # (embedding, blocks, head)
     for lay in ex.layers:   # (the step returns before its last updates ran: the next forward waits)
         if lay.ready is not None:
             lay.ready.result()
