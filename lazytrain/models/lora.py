@@ -10,7 +10,10 @@ from torch import nn
 # What a PEFT model's state dict holds beside the base model's own weights (LoRA's matrices, DoRA's
 # magnitudes, trainable-token deltas, modules_to_save's trained copies)
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.",
-                  ".token_adapter.", ".modules_to_save.")
+                  ".trainable_tokens_delta", ".modules_to_save.")
+# PEFT's wrappers of a base layer, whose own weight sits under them (trainable tokens wrap the
+# embedding, and a tied head, as `<name>.token_adapter.base_layer.weight`)
+_WRAPPERS = (".token_adapter.base_layer.", ".base_layer.", ".original_module.")
 
 
 def unmatched_targets(model: nn.Module, targets: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -47,7 +50,9 @@ def base_state_dict(peft_state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     for k, v in peft_state.items():
         if any(part in k for part in _ADAPTER_PARTS):
             continue
-        name = k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+        name = k.removeprefix("base_model.model.")
+        for w in _WRAPPERS:
+            name = name.replace(w, ".")
         if name in out and out[name] is not v:
             raise ValueError(f"two base tensors map to {name!r} (PEFT's key layout changed?)")
         out[name] = v
@@ -59,7 +64,17 @@ def save_base_model(peft_model: nn.Module, directory, peft_state: Mapping[str, t
     `AutoModelForCausalLM.from_pretrained` loads. `peft_state`: the PEFT model's state dict when
     the caller has gathered it (DeepSpeed ZeRO-3), else read from the model."""
     sd = base_state_dict(peft_model.state_dict() if peft_state is None else peft_state)
-    peft_model.get_base_model().save_pretrained(str(directory), state_dict=sd, safe_serialization=True)
+    inner = peft_model.get_base_model()
+    # every weight the base class has (a PEFT key layout this does not map would otherwise leave
+    # one out, and from_pretrained would fill it at random with only a log line)
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        want = AutoModelForCausalLM.from_config(inner.config).state_dict().keys()
+    missing = sorted(set(want) - set(sd))
+    if missing:
+        raise ValueError(f"the base model's weights {missing[:3]}{' ...' if len(missing) > 3 else ''} are not "
+                         f"found in the PEFT model's state dict (an unknown PEFT key layout): base not saved")
+    inner.save_pretrained(str(directory), state_dict=sd, safe_serialization=True)
 
 
 def point_adapter_at_base(adapter_dir, base_dir) -> None:
