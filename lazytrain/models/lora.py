@@ -45,7 +45,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str]
 def base_state_dict(peft_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The frozen base model's weights in a PEFT model's `state_dict()`, under the base model's own
     names (what `AutoModelForCausalLM.from_pretrained` expects): adapter tensors left out, PEFT's
-    `base_model.model.` prefix and the wrapped layers' `.base_layer` / `.original_module` dropped."""
+    `base_model.model.` prefix and its wrappers' levels (`_WRAPPERS`: `.base_layer`,
+    `.token_adapter.base_layer`, `.original_module`) dropped."""
     out: dict[str, torch.Tensor] = {}
     for k, v in peft_state.items():
         if any(part in k for part in _ADAPTER_PARTS):

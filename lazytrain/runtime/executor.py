@@ -171,7 +171,8 @@ class StreamingExecutor:
         `job.master_dtype`), taken from the model's original values: fp32 (mixed precision), or
         bf16 for pure-bf16 training (exactly torch's AdamW on bf16 parameters, less memory and
         traffic, coarser updates). `overlap_optimizer`: run accumulation and updates on their own
-        thread (default: on CUDA; inline on a CPU device). `count_op_temporaries` (CPU device): also
+        thread (default: on CUDA; inline on a CPU device, where with True each layer's backward
+        still waits for its own, as the plan's device memory counts one layer's gradients there). `count_op_temporaries` (CPU device): also
         count what autograd and the ops allocate inside each layer's forward and backward (see
         accountant.OpTemporaries), as a device allocator would, in the budget and the measured peak;
         ~10% slower steps. On CUDA the allocator's own peak already covers them.
@@ -657,8 +658,8 @@ class StreamingExecutor:
             return None
         if not self.cuda:
             # the planner counts one layer's weight gradients on a CPU device (JobCosts.grads_inline):
-            # with the accumulation on a thread (overlap_optimizer=True) the last layer's may still
-            # be leaving; inline they have left already
+            # the previous layer's have left (its _bwd waited for them at its end, also with
+            # overlap_optimizer=True); a no-op guard
             self._drain_grads(keep=0)
         t = self.trace.now()
         with self._ops():
