@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import resource
 import shutil
 import statistics
@@ -56,6 +55,26 @@ def model_config(a: argparse.Namespace) -> dict:
 
 # ---- plans (parent process; the planner imports no torch) --------------------------------------
 
+def plan_inputs(a: argparse.Namespace, batch: int, frugal: bool):
+    """(model, hardware, job, planner options) of the plans below."""
+    from lazytrain.cli.config import hardware_spec, load_config
+    from lazytrain.plan import PlannerOptions
+    from lazytrain.spec import JobSpec, ModelSpec
+    hw = hardware_spec(load_config(["hardware=cpu"]))
+    if frugal:  # the max-batch column: the device budget is the whole memory limit (same RAM here)
+        hw = dataclasses.replace(hw, device_memory_gib=a.mem_limit_gib)
+    model = ModelSpec.from_hf_config(model_config(a), name="bench-llama")
+    job = JobSpec(batch_size=batch, seq_len=a.seq, mode="full", compute_dtype="bf16", clip_grad=True)
+    return model, hw, job, PlannerOptions(time_limit_s=20)
+
+
+def planned_max_batch(a: argparse.Namespace, limit: int) -> int:
+    """The largest frugal batch (up to `limit`) the planner plans (0: none)."""
+    from lazytrain.plan import max_batch
+    model, hw, job, options = plan_inputs(a, 1, frugal=True)
+    return max_batch(model, hw, job, options, limit=limit)
+
+
 def make_plan(a: argparse.Namespace, batch: int, tier: str, frugal: bool = False):
     """The MILP plan for the cpu hardware profile with every layer's parameter and optimizer tier
     pinned to `tier` (the planner decides recompute and activation placement).
@@ -63,16 +82,9 @@ def make_plan(a: argparse.Namespace, batch: int, tier: str, frugal: bool = False
     frugal: the memory-frugal configuration used for the max-batch column instead: every decoder
     block recomputed from its own kept input (DeepSpeed gets the same per-block checkpointing),
     the kept inputs on `tier`."""
-    from lazytrain.cli.config import hardware_spec, load_config
-    from lazytrain.plan import PlannerOptions, plan_job
-    from lazytrain.spec import JobSpec, ModelSpec
-    cfg = load_config(["hardware=cpu"])
-    hw = hardware_spec(cfg)
-    if frugal:  # the max-batch column: the device budget is the whole memory limit (same RAM here)
-        hw = dataclasses.replace(hw, device_memory_gib=a.mem_limit_gib)
-    model = ModelSpec.from_hf_config(model_config(a), name="bench-llama")
-    job = JobSpec(batch_size=batch, seq_len=a.seq, mode="full", compute_dtype="bf16", clip_grad=True)
-    plan = plan_job(model, hw, job, PlannerOptions(time_limit_s=20), cache_dir=str(ROOT / "solver_cache"))
+    from lazytrain.plan import plan_job
+    model, hw, job, options = plan_inputs(a, batch, frugal)
+    plan = plan_job(model, hw, job, options, cache_dir=str(ROOT / "solver_cache"))
     if not plan.fits:
         raise RuntimeError("; ".join(plan.explanation))
     # gradients stay in host memory: DeepSpeed cannot put them on NVMe, so neither does lazytrain here
@@ -357,14 +369,13 @@ def main() -> int:
                 if est < 1:
                     break
                 pp, dp, _, pend = prepare(a, e, est, tmp, frugal=True)
-                fit = re.search(r"the largest batch that fits [\d.]+ GiB is (\d+)", pend or "")
-                if fit and int(fit.group(1)) < est:
+                if pend and (fit := planned_max_batch(a, est - 1)):
                     # the planner's own device budget (the cpu profile's 12 GiB) is what stops it: the
                     # largest batch it plans is the one to run (a 2026-12-01 run reported ">= 128
                     # (run failed)" for the planner's refusal of 128, where it plans 122)
                     print(f"[{e}] batch {est} does not plan ({pend.splitlines()[0][:160]}...); "
-                          f"verifying the planner's largest, {fit.group(1)}", flush=True)
-                    est = int(fit.group(1))
+                          f"verifying the planner's largest, {fit}", flush=True)
+                    est = fit
                     pp, dp, _, pend = prepare(a, e, est, tmp, frugal=True)
                 v = ({"error": pend} if pend else run_worker(a, e, est, pp, dp, steps=1, warmup=0, frugal=True))
                 print(f"[{e}] verify batch {est}: {json.dumps(v)}", flush=True)

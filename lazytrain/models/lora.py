@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -81,9 +83,6 @@ def save_base_model(peft_model: nn.Module, directory, peft_state: Mapping[str, t
 def point_adapter_at_base(adapter_dir, base_dir) -> None:
     """Record `base_dir` as the base model of the adapter saved in `adapter_dir` (its
     adapter_config.json's base_model_name_or_path, which `AutoPeftModelForCausalLM` loads)."""
-    import json
-    from pathlib import Path
-
     f = Path(adapter_dir) / "adapter_config.json"
     cfg = json.loads(f.read_text())
     cfg["base_model_name_or_path"] = str(base_dir)

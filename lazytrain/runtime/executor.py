@@ -656,11 +656,6 @@ class StreamingExecutor:
         inputs = [*params, *(p for _, p in shared), *ads, *leaf_ts] + ([x] if x is not None else [])
         if not inputs:
             return None
-        if not self.cuda:
-            # the planner counts one layer's weight gradients on a CPU device (JobCosts.grads_inline):
-            # the previous layer's have left (its _bwd waited for them at its end, also with
-            # overlap_optimizer=True); a no-op guard
-            self._drain_grads(keep=0)
         t = self.trace.now()
         with self._ops():
             grads = torch.autograd.grad(outs, inputs, grad_outputs=gouts, allow_unused=True)
@@ -760,7 +755,7 @@ class StreamingExecutor:
                 # (JobCosts.grads_inline): they are gone before the next layer's weights come
                 # (inline they are; with overlap_optimizer=True this waits for the thread)
                 self._drain_grads(keep=0)
-                self._drain_direct()
+                self._drain_direct(i)
         if shared:
             self._hand_over_borrowed(shared, sg)
         return gx
@@ -773,16 +768,16 @@ class StreamingExecutor:
         while len(q) > keep:
             q.popleft().result()
 
-    def _drain_direct(self) -> None:
-        """CPU device: wait for the updates still to read gradients in place (pure bf16, one
+    def _drain_direct(self, i: int) -> None:
+        """CPU device: wait for layer i's update if it reads the gradients in place (pure bf16, one
         micro-batch: LayerTrainState._direct). The plan counts one layer's weight gradients at a
-        time there (JobCosts.grads_inline); with overlap_optimizer=True a layer's update ran on the
+        time there (JobCosts.grads_inline); with overlap_optimizer=True the update ran on the
         optimizer thread while the next layer's weights came and its backward placed its own
         gradients next to them (a run's peak 7.19 MB where its plan said 6.40). Inline there is
         nothing to wait for."""
-        for lay, st in zip(self.layers, self.states):
-            if st is not None and st.direct_bytes and lay.ready is not None:
-                lay.ready.result()
+        lay, st = self.layers[i], self.states[i]
+        if st.direct_bytes and lay.ready is not None:
+            lay.ready.result()
 
     def _hand_over_borrowed(self, shared: list[tuple[int, nn.Parameter]],
                             grads: Sequence[torch.Tensor | None]) -> None:
@@ -1342,7 +1337,7 @@ class StreamingExecutor:
         load_executor_state_dict(self, sd)
 
     def _check_open(self, what: str) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise RuntimeError(f"StreamingExecutor.{what}(): the executor is closed (its threads, buffers and "
                                f"scratch files are released); call sync_model() or state_dict() before close()")
 
