@@ -162,7 +162,7 @@ class Extension:
                     fresh = not any(directory.glob(f"{self.name}*.so"))
                     if fresh:
                         print(f"lazytrain: building the {self.what} into {directory} (first use only, "
-                              f"~30-60 s)...", file=sys.stderr, flush=True)
+                              f"~10-30 s)...", file=sys.stderr, flush=True)
                     self._module = cpp_extension.load(
                         name=self.name,
                         sources=[str(src)],

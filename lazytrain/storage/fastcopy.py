@@ -17,7 +17,7 @@ from ..cext import Extension
 
 # Below this copy_ is kept: a copy that fits well inside the last-level cache gains little from
 # streaming stores (and copy_ leaves its result in cache), and a small model then never waits for
-# the first-use build (~20 s here). A 220M Llama's blocks are 25.7 MB, Llama-3-8B's 436 MB.
+# the first-use build (~10 s here). A 220M Llama's blocks are 25.7 MB, Llama-3-8B's 436 MB.
 MIN_BYTES = 16 << 20
 
 _EXT = Extension("lazytrain_stream_copy", Path(__file__).with_name("csrc") / "stream_copy.cpp",
