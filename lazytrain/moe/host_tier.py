@@ -2,7 +2,7 @@
 
 Design: an *exclusive* victim cache. An expert evicted from a device slot is copied here; a device
 miss that finds the expert here copies it back (a memcpy / host->device `copy_` instead of a disk read)
-and frees its host slot. Why exclusive rather than inclusive: on a CPU device "device" and "host" are
+and frees its host slot (a full tier swaps: the device slot's evicted expert takes that host slot). Why exclusive rather than inclusive: on a CPU device "device" and "host" are
 the same RAM, so an inclusive tier would hold copies of experts the device slots already have and add
 no capacity; exclusive, device + host slots hold that many *distinct* experts, which is what cuts NVMe
 reads. On CUDA the price is one device->host copy per eviction (PCIe, far faster than the NVMe read it
@@ -48,9 +48,13 @@ class HostTier:
         self.free = list(range(slots - 1, -1, -1))
         self.spills = 0                 # experts copied in from evicted device slots
         self.dropped = 0                # ... of which later evicted from here (back to NVMe only)
+        # A full tier asked to keep `keep` (the expert about to be taken from here): `keep` moves
+        # to this buffer and the spill takes its slot (see put)
+        self._staging: torch.Tensor | None = None
+        self._staged: Key | None = None
 
     def __contains__(self, key: Key) -> bool:
-        return key in self.slot_of
+        return key in self.slot_of or key == self._staged
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -64,9 +68,21 @@ class HostTier:
         if slot is None:
             if self.free:
                 slot = self.free.pop()
+            elif keep is not None and keep in self.slot_of:
+                # A swap: `keep` leaves this tier for the device slot `src` is leaving, so the
+                # spill takes `keep`'s host slot (through one staging copy) and nothing drops back
+                # to NVMe-only. (Until 2026-12-02 a full tier evicted another expert for the
+                # spill first: every host hit that found the tier full lost one expert to NVMe;
+                # a review's 8 device + 24 host slots holding all 32 experts still read the disk.)
+                slot = self.slot_of.pop(keep)
+                if self._staging is None:
+                    self._staging = aligned_empty(self.slot_bytes, pin=self.pinned_memory)
+                self._staging.copy_(self.pool[slot])
+                self._staged = keep
+                self.policy.forget(keep)
             else:
                 cand = [k for k in self.slot_of if k != keep]
-                if not cand:                 # the only host slot holds `keep`: drop the spill
+                if not cand:                 # (no slots at all is handled above)
                     return
                 victim = self.policy.victim(cand, now)
                 slot = self.slot_of.pop(victim)
@@ -81,6 +97,10 @@ class HostTier:
 
     def take(self, key: Key, dst: torch.Tensor) -> bool:
         """Copy `key` into `dst` and free its host slot (exclusive tier); False if not here."""
+        if key == self._staged:          # swapped out of its slot by the put that made room for it
+            self._staged = None
+            dst.copy_(self._staging)
+            return True
         slot = self.slot_of.pop(key, None)
         if slot is None:
             return False
