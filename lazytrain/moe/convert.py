@@ -31,6 +31,10 @@ def _expert_param_set(layers: list[MoeLayer]) -> set[str]:
 
 def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write the store of an in-memory model (fused expert parameters)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(model, "hf_quantizer", None) is not None:
+        refuse_quantized({"quantization_config": getattr(cfg, "quantization_config", None) or {"quant_method": "?"}},
+                         "the model")
     _check_rebuilt_buffers(model)
     layers = find_moe_layers(model)
     writer = StoreWriter(out_dir, model.config.to_dict())
@@ -122,7 +126,8 @@ def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, d
     (experts_name, expert, projection) -> (file, key)."""
 
     rename = _renamer(meta)
-    expected = set(meta.state_dict().keys())
+    sd = meta.state_dict()
+    expected = set(sd.keys())
     prefixes = {ml.experts_name: ml for ml in layers}
     per_expert = re.compile(r"^(.*)\.(\d+)\.(\w+)\.weight$")
     non_expert: dict[str, tuple[Path, str]] = {}
@@ -137,16 +142,44 @@ def _locate(src: Path, meta: nn.Module, layers: list[MoeLayer]) -> tuple[dict, d
                     # undone (DeepSeek-V4's `.norm.` -> `.kv_norm.` caught the final model.norm)
                     name = key
                 owner, _, leaf = name.rpartition(".")
+                m = per_expert.match(name)
                 if owner in prefixes:
                     fused[(owner, leaf)] = (shard, key)
-                    continue
-                m = per_expert.match(name)
-                if m and m.group(1) in prefixes:
+                elif m and m.group(1) in prefixes:
                     split[(m.group(1), int(m.group(2)), m.group(3))] = (shard, key)
-                    continue
-                if name in expected:
+                elif name in expected:
                     non_expert[name] = (shard, key)
+                    if not sd[name].is_floating_point():   # (an integer buffer is what it is)
+                        continue
+                else:
+                    continue
+                _refuse_unfloat(f, key, shard)
     return non_expert, fused, split
+
+
+def _refuse_unfloat(f, key: str, shard: Path) -> None:
+    """StoreError for a weight stored in other than F64/F32/F16/BF16 (FP8 or integer codes: a
+    quantized checkpoint, whose values mean nothing without their scales)."""
+    dt = f.get_slice(key).get_dtype()
+    if dt not in _SAFETENSORS_DTYPES:
+        raise StoreError(f"{shard}: {key} is stored as {dt}, not as floating-point weights (a quantized "
+                         "checkpoint?); convert a bf16/fp16/fp32 copy of the model instead")
+
+
+def refuse_quantized(hf_config: dict, where: str) -> None:
+    """StoreError for a quantized checkpoint (config.json `quantization_config`: FP8 blocks with
+    `weight_scale_inv`, GPTQ/AWQ packed integers, bitsandbytes ...): its stored tensors are not the
+    weights, and the store keeps weights as they are (until 2026-12-02 an FP8 Qwen3-MoE converted
+    without a word: the scales dropped, the raw FP8 values cast to bf16, and generate served
+    nonsense; a review)."""
+    q = hf_config.get("quantization_config")
+    if q:
+        how = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+        raise StoreError(
+            f"{where} is a quantized checkpoint (quantization_config: quant_method={how}); expert "
+            "stores hold unquantized weights: convert a bf16/fp16/fp32 copy of the model instead (on a "
+            "machine without a GPU, transformers' from_pretrained dequantizes an fp8 one to bf16 and "
+            "save_pretrained writes that copy)")
 
 
 def read_hf_config(src: Path) -> dict:
@@ -160,6 +193,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Convert a local HF checkpoint directory (config.json + safetensors) into a store."""
     src = Path(hf_dir).expanduser()
     hf_config = read_hf_config(src)
+    refuse_quantized(hf_config, f"model.path {src}")
     if Path(out_dir).expanduser().resolve() == src.resolve():
         raise StoreError(f"out={out_dir} is model.path itself; convert into a directory of its own")
     meta = build_meta_model(hf_config)

@@ -31,7 +31,7 @@ from torch import nn
 
 from .arch import MoeLayer, NotMoeModelError, build_meta_model, find_moe_layers, load_dtypes
 from .cache import ExpertCache
-from .convert import check_store_source, read_hf_config
+from .convert import check_store_source, read_hf_config, refuse_quantized
 from .policies import Forecast, make_policy
 from .predictor import Oracle, PredictorHeads, SpeculativeGate, TrainedPredictor
 from .stats import MoeCounters, MoeStats
@@ -366,6 +366,8 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
         if model_path is not None:
             src = Path(model_path).expanduser()
             hf_config = read_hf_config(src)
+        # (a store converted from one before 2026-12-02 holds its raw codes as weights)
+        refuse_quantized(hf_config, f"model.path {src}" if model_path is not None else f"expert store {src}")
         model = build_meta_model(hf_config)
         find_moe_layers(model)                 # NotMoeModelError before anything else
         # from_config derives the generation config from config.json alone; the checkpoint's
