@@ -1,6 +1,10 @@
 """`lazytrain generate model.path=HF_DIR moe.store=STORE_DIR moe.cache_fraction=0.45 prompt="..."
 max_new_tokens=64 [--json]`: greedy generation with MoE experts streamed from SSD.
 
+prompt=TEXT is the text as the shell passes it, spaces, brackets and quotes included (it is not
+parsed as a Hydra override value; a value wholly inside one pair of matching quotes, Hydra's own
+quoting, still loses that pair); prompt_file=PATH reads the prompt from a UTF-8 file as it is.
+
 Without --json: the text, then one stats line (hit rate, prefetch precision/recall, bytes, stalls,
 speed, cache size). With --json: one object {"token_ids", "text", "stats"} (stats of the decode phase,
 plus prefill_tokens, prefill_tokens_per_s, prefill_bytes).
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 USAGE = __doc__
 
@@ -30,6 +35,43 @@ def _prompt_ids(v) -> list[int] | None:
     return [int(x) for x in v]
 
 
+def _typed_prompt(raw: str) -> str:
+    """prompt=TEXT's text: as typed, except that one pair of matching quotes around all of it
+    (Hydra's quoting, which users of its grammar reach for) is taken as Hydra takes it."""
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            v = OverridesParser.create().parse_override("prompt=" + raw).value()
+        except Exception:  # noqa: BLE001 - not one quoted string after all (e.g. 'a' 'b'): as typed
+            return raw
+        if isinstance(v, str):
+            return v
+    return raw
+
+
+def _take_prompt(overrides: list[str]) -> tuple[list[str], str | None]:
+    """The overrides without prompt=/prompt_file= (the text never goes through Hydra's grammar,
+    which refused `def f(x):` and `it's` in lines naming its lexer, and dropped leading and
+    trailing spaces: a review), and the prompt they give (the last one wins; None: none given).
+    One with an interpolation (${...}) is left to Hydra."""
+    rest, prompt, source = [], None, None
+    for a in overrides:
+        key, eq, raw = a.lstrip("+").partition("=")
+        if eq and key == "prompt" and "${" not in raw:
+            prompt, source = _typed_prompt(raw), "prompt"
+        elif eq and key == "prompt_file":
+            path = Path(raw).expanduser()
+            try:
+                prompt, source = path.read_text(encoding="utf-8"), "prompt_file"
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"prompt_file={raw}: cannot read it as UTF-8 text "
+                                 f"({type(e).__name__}: {e})") from None
+        else:
+            rest.append(a)
+    return rest, prompt
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -39,6 +81,7 @@ def main(argv: list[str]) -> int:
     from ..moe.cliutil import USER_ERRORS, compose, engine_kwargs, fail, whole_setting
 
     try:
+        overrides, typed = _take_prompt(overrides)
         cfg = compose(overrides)
         if not cfg.moe.store:
             raise ValueError("generate streams MoE experts from a store: pass moe.store=STORE_DIR "
@@ -46,7 +89,7 @@ def main(argv: list[str]) -> int:
         from ..moe.api import generate
 
         prompt_ids = _prompt_ids(cfg.get("prompt_ids"))
-        prompt = cfg.prompt
+        prompt = cfg.prompt if typed is None else typed
         if prompt is not None and not isinstance(prompt, str):
             # Hydra parsed it (prompt=123, prompt=true, prompt=1e3): the text as typed, not its value
             raw = next((a.split("=", 1)[1] for a in reversed(overrides)
