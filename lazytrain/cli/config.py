@@ -68,6 +68,74 @@ def _check_group_choices(overrides: list[str]) -> None:
 def declared_bools(root: Path | None = None) -> frozenset[str]:
     """Dotted keys that are true/false in some config file (top-level files at the root, a
     group's files under the group's name, or the root for `# @package _global_` ones)."""
+    return _declared(root, bools=True)
+
+
+def declared_keys(root: Path | None = None) -> frozenset[str]:
+    """Every dotted key some config file declares (its mappings and its values; where
+    declared_bools looks)."""
+    return _declared(root, bools=False)
+
+
+# Settings whose content is the user's to choose (added with `+`): DeepSpeed's own config, and the
+# HF config of a model built from its config.
+FREE_FORM = ("deepspeed", "model.hf_config")
+
+
+def _free_form(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in FREE_FORM)
+
+
+def unknown_setting(key: str, declared: frozenset[str] | None = None) -> str:
+    """The line for a key no config file declares: the section's settings and the closest."""
+    import difflib
+
+    declared = declared if declared is not None else declared_keys()
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if section and section not in declared:   # (a whole section mistyped: optimm.lr)
+        near = difflib.get_close_matches(section, sorted(k for k in declared if "." not in k), n=1)
+        return (f"{key}: no such setting (no section {section!r}"
+                + (f"; did you mean {near[0]}.{key.rsplit('.', 1)[1]}?" if near else "") + ")")
+    names = sorted(k.rsplit(".", 1)[-1] for k in declared
+                   if (k.rsplit(".", 1)[0] if "." in k else "") == section)
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], names, n=1)
+    hint = f"; did you mean {section + '.' if section else ''}{near[0]}?" if near else ""
+    return f"{key}: no such setting{hint} ({section or 'top-level'} settings: {', '.join(names)})"
+
+
+def check_declared_keys(cfg: DictConfig, root: Path | None = None) -> None:
+    """ConfigError for a setting no config file declares (added with `+`/`++`: Hydra's own hint for
+    a mistyped key, `+optim.learning_rate=0.1`, trained at the default lr without a word: a review)."""
+    declared = declared_keys(root)
+
+    def walk(node, prefix: str) -> None:
+        for k in node.keys():
+            key = f"{prefix}{k}"
+            if _free_form(key):
+                continue
+            if key not in declared:
+                raise ConfigError(unknown_setting(key, declared))
+            v = node._get_node(k)
+            if isinstance(v, DictConfig) and not v._is_missing() and not v._is_none() and not v._is_interpolation():
+                walk(v, key + ".")
+
+    walk(cfg, "")
+
+
+def check_hf_config_with_path(cfg: DictConfig, overrides: list[str]) -> None:
+    """ConfigError for model.hf_config overrides next to model.path: the model's own config.json is
+    used, and the overrides were ignored without a word."""
+    if not cfg.get("model") or not cfg.model.get("path") or not Path(str(cfg.model.path)).expanduser().exists():
+        return   # (a missing model.path is said first, by model_spec)
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    touched = [k for k in keys if k == "model.hf_config" or k.startswith("model.hf_config.")]
+    if touched:
+        raise ConfigError(f"{touched[0]} does not apply with model.path (the model's own config.json "
+                          f"describes it); edit {Path(str(cfg.model.path)).expanduser() / 'config.json'} "
+                          "or leave model.path out")
+
+
+def _declared(root: Path | None, bools: bool) -> frozenset[str]:
     import yaml
 
     root = root or config_dir()
@@ -75,9 +143,12 @@ def declared_bools(root: Path | None = None) -> frozenset[str]:
 
     def walk(node, prefix: str) -> None:
         if isinstance(node, dict):
+            if prefix and not bools:
+                keys.add(prefix[:-1])
             for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        elif isinstance(node, bool):
+                if prefix or k != "defaults":
+                    walk(v, f"{prefix}{k}.")
+        elif not bools or isinstance(node, bool):
             keys.add(prefix[:-1])
 
     for f in sorted(root.glob("*.yaml")) + sorted(root.glob("*/*.yaml")):
@@ -87,6 +158,8 @@ def declared_bools(root: Path | None = None) -> frozenset[str]:
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue   # (composing reports a broken file, with its name)
         glob_pkg = "@package _global_" in text.split("\n", 1)[0]
+        if f.parent != root and not bools:
+            keys.add(f.parent.name)   # (the group itself: model, hardware, ...)
         walk(node, "" if f.parent == root or glob_pkg else f"{f.parent.name}.")
     return frozenset(keys)
 
@@ -123,9 +196,15 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
             key = lines[0].split("'", 2)[1].split("=", 1)[0] if lines[0].count("'") >= 2 else "key"
             raise ConfigError(f"{lines[0]}; use a list, {key}=[a,b], or quote it, {key}='a,b' (or "
                               f"--multirun to sweep over it)") from None
+        m = re.match(r"Could not override '([^']+)'", lines[0]) if lines else None
+        if m and not _free_form(m.group(1)):
+            # (not Hydra's "To append to your config use +k=v": nothing would read it)
+            raise ConfigError(unknown_setting(m.group(1))) from None
         hint = [x for x in lines[1:2] if x.startswith("To append")]
         raise ConfigError(" ".join(lines[:1] + hint)) from None
     _check_group_nodes(cfg, overrides)
+    check_declared_keys(cfg)
+    check_hf_config_with_path(cfg, overrides)
     check_bool_settings(cfg)
     return cfg
 

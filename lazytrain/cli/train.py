@@ -367,6 +367,9 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre, record: _RunRecord | None = 
                                   "rank sees (a shared filesystem across nodes)")
             return None
         try:
+            from .config import check_hf_config_with_path
+
+            check_hf_config_with_path(cfg, list(hc.overrides.task))   # (a sweep's: load_config's otherwise)
             task_pre = pre
             if cfg.output_dir and str(hc.mode) == "RunMode.MULTIRUN":
                 # Hydra records the job's config in its own sweep dir: checked, then copied into the

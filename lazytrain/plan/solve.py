@@ -329,7 +329,8 @@ def explain_plan(plan: Plan, costs: JobCosts, tl: Timeline) -> list[str]:
         serial = tl.serial_optimizer_s > 0   # hardware.optimizer_overlaps_compute false (a CPU device)
         lines.append(("updates wait for the global norm: they run after the backward, "
                       + ("on the cores that compute (not overlapped)" if serial else "overlapping the next forward")
-                      + (" (job.clip_grad)" if plan.job.clip_grad else " (fp16's overflow check)"))
+                      + (" (clipping: job.clip_grad; `train` sets it from optim.max_grad_norm)" if plan.job.clip_grad
+                         else " (fp16's overflow check)"))
                      if costs.clip_grad else
                      "updates follow each layer's backward (no clipping: job.clip_grad=false)"
                      + ("; they take the cores that compute (not overlapped)" if serial else ""))

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
-from ..cli.config import (ConfigError, check_bool_settings, hardware_spec, hydra_quoted, model_spec,
+from ..cli.config import (ConfigError, check_bool_settings, check_declared_keys, hardware_spec, hydra_quoted, model_spec,
                           planner_cache_dir, planner_options, profile_mismatch)
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, point_adapter_at_base, save_base_model, unmatched_targets
@@ -97,7 +97,18 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
     max_steps = d.pop("max_steps", None)
     if cfg.get("optim") is not None:   # the plan's update timing follows the run's clipping (and
         # fp16's overflow check: costmodel.job_costs)
-        d["clip_grad"] = cfg.optim.get("max_grad_norm") is not None
+        clips = cfg.optim.get("max_grad_norm") is not None
+        given = d.get("clip_grad")
+        if given is not None and given != clips:
+            # (until 2026-12-02 replaced without a word: job.clip_grad=false still clipped at 1.0,
+            # and the plan summary named job.clip_grad as the reason updates waited: a review)
+            raise ConfigError(
+                f"job.clip_grad={str(given).lower()} but optim.max_grad_norm="
+                f"{'null' if not clips else cfg.optim.max_grad_norm}: `lazytrain train` clips by optim.max_grad_norm "
+                "(job.clip_grad follows it); "
+                + ("set optim.max_grad_norm=null for no clipping" if not given else
+                   "set optim.max_grad_norm to a norm (1.0, or inf: no clipping, but a non-finite step is skipped)"))
+        d["clip_grad"] = clips
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         # (int() took 2.7 as 2 steps without a word, and 'abc' with a traceback)
         raise ConfigError(f"job.max_steps must be a whole number >= 1, got {max_steps!r}")
@@ -221,7 +232,8 @@ def plan_nvme_bytes(plan: Plan) -> int:
 
 def preflight(cfg: DictConfig) -> Preflight:
     """Every check that needs no model weights and writes nothing (except the solver cache)."""
-    check_bool_settings(cfg)   # (again: a sweep's jobs come here from Hydra, not load_config)
+    check_declared_keys(cfg)   # (again: a sweep's jobs come here from Hydra, not load_config)
+    check_bool_settings(cfg)
     if cfg.engine not in ENGINES:
         raise ConfigError(f"unknown engine {cfg.engine!r}; valid: {', '.join(ENGINES)}")
     mspec = model_spec(cfg)

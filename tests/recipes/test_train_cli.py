@@ -550,13 +550,20 @@ def test_multi_process_launch_needs_deepspeed(base_overrides, tmp_path, capsys, 
 
 def test_plan_clipping_follows_the_runs_max_grad_norm(base_overrides):
     """The plan's update timing (job.clip_grad) is the run's: on with optim.max_grad_norm set,
-    off with it null, whatever job.clip_grad says."""
-    from lazytrain.cli.config import load_config
+    off with it null; a job.clip_grad that says otherwise is refused (it was replaced without a
+    word: job.clip_grad=false clipped at 1.0, a review), one that agrees is taken."""
+    from lazytrain.cli.config import ConfigError, load_config
     from lazytrain.recipes.train import job_spec_of
     base = [o for o in base_overrides if not o.startswith("data")]
-    assert job_spec_of(load_config(base + ["optim.max_grad_norm=1.0", "job.clip_grad=false"],
-                                   config_name="train"))[0].clip_grad is True
+    assert job_spec_of(load_config(base + ["optim.max_grad_norm=1.0"], config_name="train"))[0].clip_grad is True
     assert job_spec_of(load_config(base + ["optim.max_grad_norm=null"], config_name="train"))[0].clip_grad is False
+    assert job_spec_of(load_config(base + ["optim.max_grad_norm=null", "job.clip_grad=false"],
+                                   config_name="train"))[0].clip_grad is False
+    with pytest.raises(ConfigError, match=r"job.clip_grad=false but optim.max_grad_norm=1.0.*"
+                                          r"set optim.max_grad_norm=null for no clipping"):
+        job_spec_of(load_config(base + ["optim.max_grad_norm=1.0", "job.clip_grad=false"], config_name="train"))
+    with pytest.raises(ConfigError, match=r"job.clip_grad=true but optim.max_grad_norm=null: "):
+        job_spec_of(load_config(base + ["optim.max_grad_norm=null", "job.clip_grad=true"], config_name="train"))
 
 
 PURE_BF16_NO_CLIP = ["job.compute_dtype=bf16", "job.master_dtype=bf16", "optim.max_grad_norm=null",
@@ -659,7 +666,7 @@ def test_unusable_dtypes_optim_values_and_damaged_weights(base_overrides, tmp_pa
     weights = next(model_dir.glob("*.safetensors"))
     weights.write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00{}")   # a header that is too small
     capsys.readouterr()   # (save_pretrained's progress bar)
-    _bad(capsys, [*base_overrides, f"model.path={model_dir}"], tmp_path,
+    _bad(capsys, [*[o for o in base_overrides if not o.startswith("model.hf_config")], f"model.path={model_dir}"], tmp_path,
          f"{weights} is not a readable safetensors file")
 
 

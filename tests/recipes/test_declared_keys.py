@@ -1,0 +1,47 @@
+"""A setting no config file declares is refused in one line, with or without `+`: Hydra's own hint
+for a mistyped key ("To append to your config use +optim.learning_rate=0.1") led to a run at the
+default lr, exit 0 (review, 2026-12-02). DeepSpeed's section and a from-config model's hf_config
+stay open to `+` keys; model.hf_config next to model.path (ignored then) is refused."""
+
+import pytest
+
+from lazytrain.cli import train as train_cli
+from lazytrain.cli.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("ov, says", [
+    ("+optim.learning_rate=0.1", "optim.learning_rate: no such setting (optim settings: betas, eps"),
+    ("optim.learning_rate=0.1", "optim.learning_rate: no such setting"),
+    ("+job.max_step=5", "job.max_step: no such setting; did you mean job.max_steps?"),
+    ("+data.text_column=body", "data.text_column: no such setting"),
+    ("+planner.timelimit=1", "planner.timelimit: no such setting; did you mean planner.time_limit_s?"),
+    ("+storage.nvme_path=/x", "storage.nvme_path: no such setting (storage settings: nvme_dir)"),
+    ("++save_evry=1", "save_evry: no such setting; did you mean save_every?"),
+    ("+optimm.lr=1", "optimm: no such setting; did you mean optim?"),
+])
+def test_undeclared_settings_are_refused(ov, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(["model=tiny-llama", ov], config_name="train")
+    assert str(e.value).startswith(says), str(e.value)
+
+
+def test_open_sections_still_take_new_keys():
+    cfg = load_config(["model=tiny-llama", "+model.hf_config.rope_theta=5e5", "engine=deepspeed",
+                       "+deepspeed.zero_optimization.sub_group_size=2e8"], config_name="train")
+    assert cfg.model.hf_config.rope_theta == 5e5
+    from lazytrain.cli.config import check_declared_keys
+
+    check_declared_keys(cfg)
+
+
+def test_hf_config_next_to_model_path_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.hf_config.num_hidden_layers does not apply with model.path"):
+        load_config([f"model.path={tmp_path}", "model.hf_config.num_hidden_layers=1"], config_name="train")
+
+
+def test_a_sweep_job_is_checked_too(base_overrides, tmp_path, capsys):
+    rc = train_cli.main(["--multirun", *base_overrides, "seed=1,2", "+optim.learning_rate=0.1",
+                         f"output_dir={tmp_path / 'sw'}"])
+    assert rc == 2
+    assert "optim.learning_rate: no such setting" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists() or not any((tmp_path / "sw").rglob("metrics.jsonl"))
