@@ -1194,8 +1194,10 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             at["saving"] = "final"
             engine.sync_model()
             final_dir = out / "final"
-            save_final_model(engine, tokenizer, final_dir, ranks, step=step,
-                             with_base=pre.job.mode == "lora" and not cfg.model.get("path"))
+            note = save_final_model(engine, tokenizer, final_dir, ranks, step=step,
+                                    with_base=pre.job.mode == "lora" and not cfg.model.get("path"))
+            if note:
+                echo(note)
     finally:
         engine.close()
     summary = summarize(history, pre.plan, start_step, step, time.perf_counter() - t_run, metrics.earlier)
@@ -1286,14 +1288,45 @@ def final_tmp(final_dir: Path) -> Path:
     return final_dir.with_name(final_dir.name + ".tmp")
 
 
+# Text whose ids tell tokenizers apart: digits, runs of spaces and newlines, punctuation, non-ASCII.
+TOKENIZER_PROBE = "of 1234 and  5678, x=f(y);\n\n\tthe  cache - 2026-12-02: \u00fcber \u4e2d\u6587 \U0001f600 \"q\" don't"
+
+
+def _check_tokenizer_reload(tokenizer, tmp: Path, final_dir: Path) -> str | None:
+    """A note when `AutoTokenizer.from_pretrained(final)` would not encode as the run's tokenizer did.
+    transformers picks a tokenizer class by the model dir's config.json `model_type` for some types
+    (qwen2: Qwen2Tokenizer, whatever tokenizer_config.json names), and that class builds its own
+    pre-tokenizer: a run with a tokenizer of its own (`data.tokenizer=DIR`, or data=demo's) on a
+    Qwen2 model wrote a final/ that split digits another way (a review, 2026-12-02). Then the run's
+    tokenizer is also saved, alone, in final/tokenizer (no config.json there: it loads as saved)."""
+    if not (tmp / "config.json").is_file():   # (a LoRA adapter dir: its tokenizer loads as saved)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        again = AutoTokenizer.from_pretrained(str(tmp))
+        same = again(TOKENIZER_PROBE)["input_ids"] == tokenizer(TOKENIZER_PROBE)["input_ids"]
+        got = type(again).__name__
+    except Exception as e:  # noqa: BLE001 - any failure to load it back is what the note is about
+        same, got = False, f"an error ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    if same:
+        return None
+    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    return (f"note: AutoTokenizer.from_pretrained({final_dir}) gives {got}, which does not encode as the "
+            f"{type(tokenizer).__name__} this run trained with (transformers picks the tokenizer class by "
+            f"the model type); the run's own is in {final_dir / 'tokenizer'}: load that one "
+            f"(AutoTokenizer.from_pretrained({final_dir / 'tokenizer'}))")
+
+
 def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(), step: int | None = None,
-                     with_base: bool = False) -> None:
+                     with_base: bool = False) -> str | None:
     """Full FT: an HF model dir `from_pretrained` loads; LoRA: a PEFT adapter dir. Atomic rename.
     Under a launcher every rank helps gather the weights; rank 0 writes them. `step`: recorded in
     it (FINAL_MARK), so a resume knows whether it is the last checkpoint's. `with_base` (LoRA on a
     model built from its config, whose base exists nowhere else): the frozen base weights the
     adapters were trained with go to `final/base` (an HF model dir), and the adapter's config names
-    that dir as its base model (so `AutoPeftModelForCausalLM.from_pretrained(final)` loads both)."""
+    that dir as its base model (so `AutoPeftModelForCausalLM.from_pretrained(final)` loads both).
+    Returns a note when final/'s tokenizer does not load back as the run's (_check_tokenizer_reload)."""
     tmp = final_tmp(final_dir)
     if ranks.main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1311,12 +1344,14 @@ def save_final_model(engine, tokenizer, final_dir: Path, ranks: Ranks = Ranks(),
         if with_base:
             point_adapter_at_base(tmp, final_dir.resolve() / "base")
         tokenizer.save_pretrained(str(tmp))
+        note = _check_tokenizer_reload(tokenizer, tmp, final_dir)
         if step is not None:
             (tmp / FINAL_MARK).write_text(json.dumps({"step": int(step)}))
         share_like_umask(tmp)   # safetensors writes its files 0600 (see storage/filemode.py)
         ckpt.fsync_tree(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp, final_dir)
+        return note
     except (OSError, SafetensorError) as e:   # (safetensors reports a full disk as its own error)
         if ranks.main:
             shutil.rmtree(tmp, ignore_errors=True)
