@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .engine import StreamedMoE, load_streamed
-from .predictor import PredictorHeads, SpeculativeGate, TrainedPredictor, recall_at_k, train_heads
+from .predictor import PredictorHeads, SpeculativeGate, TrainedPredictor, recall_at_k, routers_crc32, train_heads
 from .stats import MoeStats
 
 
@@ -128,7 +128,8 @@ def train_predictor(eng: StreamedMoE, token_ids: list[int], out: str | Path, *, 
     pred = TrainedPredictor(heads, eng.layers)
     r_gate = recall_at_k(lambda l, x, tk: gate.logits(l + 1, x).float(), test, eng.layers)
     r_pred = recall_at_k(pred.next_layer_logits, test, eng.layers)
-    heads.save(out, {"train_tokens": cut, "recall_gate": r_gate, "recall_predictor": r_pred})
+    heads.save(out, {"train_tokens": cut, "recall_gate": r_gate, "recall_predictor": r_pred,
+                     "routers_crc32": routers_crc32(eng.layers)})
     return {"out": str(out), "train_tokens": cut, "test_tokens": n - cut,
             "recall_gate": r_gate, "recall_predictor": r_pred}
 

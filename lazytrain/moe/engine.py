@@ -422,6 +422,7 @@ def load_streamed(store_dir: str | Path, *, model_path: str | Path | None = None
                                                          requires_grad=False))
         _rebuild_meta_buffers(model, torch.device(device))
         model.eval()
+        model.requires_grad_(False)   # inference only: a direct eng.model(...) call builds no graph
 
         auto = 0
         if lookahead == "auto":

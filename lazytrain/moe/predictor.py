@@ -65,6 +65,7 @@ class PredictorHeads(nn.Module):
     def __init__(self, hidden_size: int, experts: list[int], width: int = 128) -> None:
         super().__init__()
         self.hidden_size, self.experts, self.width = hidden_size, list(experts), width
+        self.meta: dict = {}   # what the file recorded besides the shapes (routers_crc32, recalls)
         self.heads = nn.ModuleList()
         for l in range(len(experts) - 1):
             head = nn.Sequential(nn.Linear(hidden_size + experts[l], width), nn.SiLU(),
@@ -112,12 +113,24 @@ class PredictorHeads(nn.Module):
             info = json.loads(raw)
             heads = PredictorHeads(info["hidden_size"], info["experts"], info["width"])
             heads.load_state_dict(tensors)
+            heads.meta = info
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             # metadata that does not parse or does not match the tensors (load_state_dict's size
             # mismatches are RuntimeErrors): a damaged or hand-edited file, one line, not a traceback
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"predictor {p} is damaged ({detail[:200]}); retrain it") from None
         return heads.eval()
+
+
+def routers_crc32(layers: list[MoeLayer]) -> int:
+    """crc32 of every MoE layer's router weights: which model a predictor was trained on."""
+    import zlib
+
+    crc = 0
+    for ml in layers:
+        w = ml.router.weight.detach().to("cpu").contiguous()
+        crc = zlib.crc32(w.view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
 
 
 class TrainedPredictor:
@@ -132,6 +145,12 @@ class TrainedPredictor:
         if heads.hidden_size != hidden:                # else a shape error mid-generation
             raise ValueError(f"predictor was trained for hidden size {heads.hidden_size}, model has "
                              f"{hidden}; retrain it for this model")
+        want = heads.meta.get("routers_crc32")
+        if want is not None and int(want) != routers_crc32(layers):
+            # (same shapes, other model: accepted before 2026-12-02, with a hit rate of 0.53
+            # instead of 0.63 in a review's case; tokens stay exact either way)
+            raise ValueError("predictor was trained for another model (its routers' weights differ from this "
+                             "one's); retrain it for this model: `lazytrain moe train-predictor ...`")
         self.heads, self.gate = heads, SpeculativeGate(layers, lookahead, extra)
         self.top_k = [ml.top_k for ml in layers]
         self.extra = extra
