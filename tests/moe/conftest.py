@@ -56,3 +56,12 @@ def mixtral_store(tmp_path_factory):
     return model, d
 
 
+@pytest.fixture
+def err_line(capsys):
+    """The one `lazytrain ...` error line a CLI call wrote to stderr (and no traceback)."""
+    def get() -> str:
+        err = capsys.readouterr().err.strip().splitlines()
+        lines = [l for l in err if l.startswith("lazytrain ")]
+        assert len(lines) == 1 and "Traceback" not in "\n".join(err)
+        return lines[0]
+    return get

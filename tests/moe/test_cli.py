@@ -12,13 +12,6 @@ STATS_KEYS = {"hit_rate", "prefetch_precision", "prefetch_recall", "bytes_per_to
               "predictor_s_per_token", "tokens_per_s"}
 
 
-def _err_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    lines = [l for l in err if l.startswith("lazytrain ")]
-    assert len(lines) == 1 and "Traceback" not in "\n".join(err)
-    return lines[0]
-
-
 def test_convert_then_generate_json(mixtral_store, tmp_path, capsys):
     model, d = mixtral_store
     assert moe_cli.main(["convert", f"model.path={d / 'hf'}", f"out={tmp_path / 's'}", "--json"]) == 0
@@ -99,37 +92,37 @@ def test_help_anywhere_and_a_damaged_checkpoint(tiny_moe, tmp_path, capsys):
     assert f"{f}: not a readable safetensors file" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
-def test_missing_store_path(tmp_path, capsys):
+def test_missing_store_path(tmp_path, capsys, err_line):
     assert gen_cli.main([f"moe.store={tmp_path / 'none'}", "prompt_ids=[1]"]) == 2
-    assert "does not exist" in _err_line(capsys)
+    assert "does not exist" in err_line()
     assert gen_cli.main([f"moe.store={tmp_path / 'none'}", "prompt=hello"]) == 2
-    assert "does not exist" in _err_line(capsys)
+    assert "does not exist" in err_line()
     assert gen_cli.main(["prompt_ids=[1]"]) == 2
-    assert "moe.store=STORE_DIR" in _err_line(capsys)
+    assert "moe.store=STORE_DIR" in err_line()
 
 
-def test_cache_too_small_says_minimum(mixtral_store, capsys):
+def test_cache_too_small_says_minimum(mixtral_store, capsys, err_line):
     _, d = mixtral_store
     assert gen_cli.main([f"moe.store={d / 'store'}", "moe.cache_slots=3", "prompt_ids=[1]"]) == 2
-    assert "minimum is 8 slots" in _err_line(capsys)
+    assert "minimum is 8 slots" in err_line()
 
 
-def test_mismatched_store(mixtral_store, tiny_moe, tmp_path, capsys):
+def test_mismatched_store(mixtral_store, tiny_moe, tmp_path, capsys, err_line):
     _, d = mixtral_store
     tiny_moe("qwen3_moe").save_pretrained(tmp_path / "q")
     assert gen_cli.main([f"model.path={tmp_path / 'q'}", f"moe.store={d / 'store'}", "prompt_ids=[1]"]) == 2
-    line = _err_line(capsys)
+    line = err_line()
     assert "does not match the model" in line and "shape" in line
 
 
-def test_non_moe_model(tmp_path, capsys):
+def test_non_moe_model(tmp_path, capsys, err_line):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "llama")
     assert moe_cli.main(["convert", f"model.path={tmp_path / 'llama'}", f"out={tmp_path / 'o'}"]) == 2
-    assert "has no MoE experts layers" in _err_line(capsys)
+    assert "has no MoE experts layers" in err_line()
 
 
 def test_unknown_tool(capsys):
