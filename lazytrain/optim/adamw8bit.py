@@ -54,6 +54,8 @@ from lazytrain.optim import kernel_compiled, kernel_cpp, kernel_torch
 from lazytrain.optim.kernel_torch import HYPER_FIELDS
 
 STATE_FORMAT = "lazytrain-adamw8bit-v1"
+GROUP_TAG = "lazytrain_adamw8bit"   # state_dict(): the format tag, in every saved param group too
+SHAPE = "shape"                     # state key: the shape of the parameter the state was made for
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 PRESCALE_CLIP_BELOW = 1e-12   # clip**2 * (1 - b2) stays a normal fp32 number above it
 # torch.optim.AdamW group options this optimizer does not implement; a group asking for them is
@@ -121,6 +123,23 @@ def _flat(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
         )
     x = t.permute(perm)
     return x.view(-1) if x.is_contiguous() else x.reshape(-1)
+
+
+def _check_shape(p: torch.Tensor, s: dict, who: str) -> None:
+    """A state made for another shape of the same size (an MLP's up [I, H] and down [H, I] after a
+    change of parameter order) would be taken element for element: refused, as torch's AdamW
+    refuses it at its first step (it was loaded and stepped without a word: a review). States
+    saved before 2026-12-02 carry no shape and are not checked."""
+    want = _saved_shape(s)
+    if want is not None and want != tuple(p.shape):
+        raise ValueError(f"{who}: the state was made for a parameter of shape {want}, this one is "
+                         f"{tuple(p.shape)} (are the parameters in the order they were saved in?)")
+
+
+def _saved_shape(s: dict) -> tuple[int, ...] | None:
+    """The recorded shape (a list, or a tensor after a round trip through safetensors), or None."""
+    v = s.get(SHAPE)
+    return None if v is None else tuple(int(x) for x in (v.tolist() if torch.is_tensor(v) else v))
 
 
 def _refuse_shared_memory(params: list[torch.Tensor]) -> None:
@@ -336,6 +355,7 @@ class AdamW8bit(torch.optim.Optimizer):
         state = {}
         numel = p.numel()
         state["step"] = 0
+        state[SHAPE] = list(p.shape)   # (a list: what a state_dict round trip through JSON-like formats keeps)
         order = _memory_order(p)
         if order is not None and order != tuple(range(p.dim())):
             state[MEMORY_ORDER] = order   # the states' element order (see _check_layout)
@@ -370,6 +390,8 @@ class AdamW8bit(torch.optim.Optimizer):
         if p.dtype not in _SUPPORTED_PARAM_DTYPES or (p.dtype == torch.float32) == ("master" in s):
             made = "bfloat16" if "master" in s else "float32"
             bad.append(f"it was made for a {made} parameter")
+        if _saved_shape(s) not in (None, tuple(p.shape)):
+            bad.append(f"it was made for a parameter of shape {_saved_shape(s)}")
         if bad:
             raise ValueError(
                 f"AdamW8bit: a parameter of shape {tuple(p.shape)} ({p.dtype}) no longer fits its optimizer "
@@ -579,6 +601,10 @@ class AdamW8bit(torch.optim.Optimizer):
             block_size=self.block_size,
             min_8bit_numel=self.min_8bit_numel,
         )
+        # The same tag in every saved group as well: torch.distributed.checkpoint's
+        # get/set_optimizer_state_dict (what dcp.save/dcp.load go through) rebuild the dict from
+        # 'state' and 'param_groups' alone, and the top-level tag was lost there (a review).
+        sd["param_groups"] = [dict(g, **{GROUP_TAG: dict(sd["lazytrain"])}) for g in sd["param_groups"]]
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -597,6 +623,8 @@ class AdamW8bit(torch.optim.Optimizer):
             if replaced is not None:
                 state_dict = replaced
         extra = state_dict.get("lazytrain")
+        if not extra and state_dict.get("param_groups"):   # (a dict rebuilt by DCP: see state_dict)
+            extra = state_dict["param_groups"][0].get(GROUP_TAG)
         if not extra or extra.get("format") != STATE_FORMAT:
             raise ValueError("AdamW8bit.load_state_dict: not an AdamW8bit state dict (missing 'lazytrain' format tag)")
         if extra["block_size"] != self.block_size:
@@ -624,7 +652,8 @@ class AdamW8bit(torch.optim.Optimizer):
             restored = {k: v.detach().clone().to(p.device) if torch.is_tensor(v) else v for k, v in saved.items()}
             self._fit_loaded_state(p, restored, name)
             state[p] = restored
-        groups = [dict(saved, params=cur["params"]) for saved, cur in zip(saved_groups, self.param_groups)]
+        groups = [{k: v for k, v in dict(saved, params=cur["params"]).items() if k != GROUP_TAG}
+                  for saved, cur in zip(saved_groups, self.param_groups)]
         self.__setstate__({"state": state, "param_groups": groups})
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -683,3 +712,4 @@ class AdamW8bit(torch.optim.Optimizer):
                 )
         # (after the sizes: a state of another size is that, whatever its memory order)
         self._check_layout(p, s, f"AdamW8bit.load_state_dict: {name}")
+        _check_shape(p, s, f"AdamW8bit.load_state_dict: {name}")

@@ -24,7 +24,7 @@ class AdamWRef(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,   # torch.optim.AdamW's (0.0 until 2026-12-02: a review)
         *,
         max_grad_norm: float | None = None,
     ) -> None:
