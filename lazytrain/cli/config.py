@@ -71,10 +71,12 @@ def declared_bools(root: Path | None = None) -> frozenset[str]:
     return _declared(root, bools=True)
 
 
-def declared_keys(root: Path | None = None) -> frozenset[str]:
-    """Every dotted key some config file declares (its mappings and its values; where
-    declared_bools looks)."""
-    return _declared(root, bools=False)
+def declared_keys(root: Path | None = None, config_name: str | None = None,
+                  groups: set[str] | None = None) -> frozenset[str]:
+    """Every dotted key the config files declare (their mappings and their values; where
+    declared_bools looks): for one command, its primary config (`config_name`, with the top-level
+    files its defaults list names) and the config groups it has (`groups`); None: all of them."""
+    return _declared(root, bools=False, config_name=config_name, groups=groups)
 
 
 # Settings whose content is the user's to choose (added with `+`): DeepSpeed's own config, and the
@@ -87,31 +89,85 @@ def _free_form(key: str) -> bool:
 
 
 def unknown_setting(key: str, declared: frozenset[str] | None = None) -> str:
-    """The line for a key no config file declares: the section's settings and the closest."""
+    """The line for a key the command's config files do not declare: the section's settings and the
+    closest one, or that it belongs to another command."""
     import difflib
 
     declared = declared if declared is not None else declared_keys()
-    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if key in declared_keys():   # (declared, but for another command: plan's optim.*, train's prompt)
+        return f"{key}: not a setting of this command (another lazytrain command's config declares it)"
+    section, _, leaf = key.rpartition(".")
     if section and section not in declared:   # (a whole section mistyped: optimm.lr)
         near = difflib.get_close_matches(section, sorted(k for k in declared if "." not in k), n=1)
         return (f"{key}: no such setting (no section {section!r}"
-                + (f"; did you mean {near[0]}.{key.rsplit('.', 1)[1]}?" if near else "") + ")")
-    names = sorted(k.rsplit(".", 1)[-1] for k in declared
-                   if (k.rsplit(".", 1)[0] if "." in k else "") == section)
-    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], names, n=1)
+                + (f"; did you mean {near[0]}.{leaf}?" if near else "") + ")")
+    names = sorted(k.rpartition(".")[2] for k in declared if k.rpartition(".")[0] == section)
+    near = [n for n in difflib.get_close_matches(leaf, names, n=2) if n != leaf][:1]
     hint = f"; did you mean {section + '.' if section else ''}{near[0]}?" if near else ""
     return f"{key}: no such setting{hint} ({section or 'top-level'} settings: {', '.join(names)})"
 
 
-def check_declared_keys(cfg: DictConfig, root: Path | None = None) -> None:
-    """ConfigError for a setting no config file declares (added with `+`/`++`: Hydra's own hint for
-    a mistyped key, `+optim.learning_rate=0.1`, trained at the default lr without a word: a review)."""
-    declared = declared_keys(root)
+_REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+
+
+def _referenced(cfg: DictConfig) -> set[str]:
+    """Dotted keys a `${key}` interpolation anywhere in `cfg` refers to (a helper the user added with
+    `+` for others to interpolate, e.g. `+optim.base_lr=1e-4 optim.lr='${optim.base_lr}'`, is read)."""
+    refs: set[str] = set()
+
+    def walk(node) -> None:
+        for k in node.keys():
+            v = node._get_node(k)
+            if v._is_interpolation():
+                refs.update(_REF.findall(str(v._value())))
+            elif isinstance(v, DictConfig) and not v._is_missing() and not v._is_none():
+                walk(v)
+
+    walk(cfg)
+    return refs
+
+
+def chosen_groups(root: Path, config_name: str, overrides: list[str]) -> set[str]:
+    """The config groups a command has: those its primary config's defaults lists name, and those
+    the command line chooses (`+moe=default`: generate's and moe's)."""
+    import yaml
+
+    names = {d.name for d in root.iterdir() if d.is_dir()}
+    chosen: set[str] = set()
+    for f in _top_files(root, config_name):
+        try:
+            node = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        for d in node.get("defaults") or []:
+            if isinstance(d, dict):
+                chosen.update(k.split()[-1].split("@")[0].lstrip("/") for k in d)   # ("override model")
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0].split("@")[0]
+        if "." not in key:
+            chosen.add(key)
+    return chosen & names
+
+
+def check_declared_keys(cfg: DictConfig, config_name: str = "config", root: Path | None = None,
+                        overrides: list[str] | None = None) -> None:
+    """ConfigError for a setting the command's config files do not declare (added with `+`/`++`:
+    Hydra's own hint for a mistyped key, `+optim.learning_rate=0.1`, trained at the default lr
+    without a word: a review). Keys an interpolation refers to are read, and pass; so does a config
+    dir that has no config files (nothing to check against)."""
+    root = root or config_dir()
+    if not root.is_dir():
+        return
+    declared = declared_keys(root, config_name, chosen_groups(root, config_name, overrides or []))
+    refs = _referenced(cfg)
+
+    def read(key: str) -> bool:
+        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in refs)
 
     def walk(node, prefix: str) -> None:
         for k in node.keys():
             key = f"{prefix}{k}"
-            if _free_form(key):
+            if _free_form(key) or read(key):
                 continue
             if key not in declared:
                 raise ConfigError(unknown_setting(key, declared))
@@ -124,10 +180,10 @@ def check_declared_keys(cfg: DictConfig, root: Path | None = None) -> None:
 
 def check_hf_config_with_path(cfg: DictConfig, overrides: list[str]) -> None:
     """ConfigError for model.hf_config overrides next to model.path: the model's own config.json is
-    used, and the overrides were ignored without a word."""
+    used, and the overrides were ignored without a word. (A deletion, `~model.hf_config`, is fine.)"""
     if not cfg.get("model") or not cfg.model.get("path") or not Path(str(cfg.model.path)).expanduser().exists():
         return   # (a missing model.path is said first, by model_spec)
-    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    keys = [o.lstrip("+").split("=", 1)[0] for o in overrides if not o.startswith("~")]
     touched = [k for k in keys if k == "model.hf_config" or k.startswith("model.hf_config.")]
     if touched:
         raise ConfigError(f"{touched[0]} does not apply with model.path (the model's own config.json "
@@ -135,7 +191,27 @@ def check_hf_config_with_path(cfg: DictConfig, overrides: list[str]) -> None:
                           "or leave model.path out")
 
 
-def _declared(root: Path | None, bools: bool) -> frozenset[str]:
+def _top_files(root: Path, config_name: str) -> list[Path]:
+    """The primary config file and the top-level files its defaults list names (train -> config)."""
+    import yaml
+
+    out: list[Path] = []
+    todo = [config_name]
+    while todo:
+        f = root / f"{todo.pop()}.yaml"
+        if f in out or not f.is_file():
+            continue
+        out.append(f)
+        try:
+            node = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        todo += [d for d in (node.get("defaults") or []) if isinstance(d, str) and d != "_self_"]
+    return out
+
+
+def _declared(root: Path | None, bools: bool, config_name: str | None = None,
+              groups: set[str] | None = None) -> frozenset[str]:
     import yaml
 
     root = root or config_dir()
@@ -151,7 +227,9 @@ def _declared(root: Path | None, bools: bool) -> frozenset[str]:
         elif not bools or isinstance(node, bool):
             keys.add(prefix[:-1])
 
-    for f in sorted(root.glob("*.yaml")) + sorted(root.glob("*/*.yaml")):
+    tops = sorted(root.glob("*.yaml")) if config_name is None else _top_files(root, config_name)
+    grouped = [f for f in sorted(root.glob("*/*.yaml")) if groups is None or f.parent.name in groups]
+    for f in tops + grouped:
         try:
             text = f.read_text(encoding="utf-8")
             node = yaml.safe_load(text)
@@ -196,14 +274,16 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
             key = lines[0].split("'", 2)[1].split("=", 1)[0] if lines[0].count("'") >= 2 else "key"
             raise ConfigError(f"{lines[0]}; use a list, {key}=[a,b], or quote it, {key}='a,b' (or "
                               f"--multirun to sweep over it)") from None
-        m = re.match(r"Could not override '([^']+)'", lines[0]) if lines else None
+        m = re.match(r"Could not override '([^'@]+)'", lines[0]) if lines else None
         if m and not _free_form(m.group(1)):
             # (not Hydra's "To append to your config use +k=v": nothing would read it)
-            raise ConfigError(unknown_setting(m.group(1))) from None
+            root = config_dir()
+            declared = declared_keys(root, config_name, chosen_groups(root, config_name, overrides))
+            raise ConfigError(unknown_setting(m.group(1), declared)) from None
         hint = [x for x in lines[1:2] if x.startswith("To append")]
         raise ConfigError(" ".join(lines[:1] + hint)) from None
     _check_group_nodes(cfg, overrides)
-    check_declared_keys(cfg)
+    check_declared_keys(cfg, config_name, overrides=overrides)
     check_hf_config_with_path(cfg, overrides)
     check_bool_settings(cfg)
     return cfg

@@ -1,9 +1,9 @@
 """`lazytrain generate model.path=HF_DIR moe.store=STORE_DIR moe.cache_fraction=0.45 prompt="..."
 max_new_tokens=64 [--json]`: greedy generation with MoE experts streamed from SSD.
 
-prompt=TEXT is the text as the shell passes it, spaces, brackets and quotes included (it is not
-parsed as a Hydra override value; a value wholly inside one pair of matching quotes, Hydra's own
-quoting, still loses that pair); prompt_file=PATH reads the prompt from a UTF-8 file as it is.
+prompt=TEXT is the text as the shell passes it, spaces, brackets, quotes and `${...}` included (it
+is not parsed as a Hydra override value; a value wholly inside one pair of matching quotes, Hydra's
+own quoting, still loses that pair); prompt_file=PATH reads the prompt from a UTF-8 file as it is.
 
 Without --json: the text, then one stats line (hit rate, prefetch precision/recall, bytes, stalls,
 speed, cache size). With --json: one object {"token_ids", "text", "stats"} (stats of the decode phase,
@@ -52,13 +52,13 @@ def _typed_prompt(raw: str) -> str:
 
 def _take_prompt(overrides: list[str]) -> tuple[list[str], str | None]:
     """The overrides without prompt=/prompt_file= (the text never goes through Hydra's grammar,
-    which refused `def f(x):` and `it's` in lines naming its lexer, and dropped leading and
-    trailing spaces: a review), and the prompt they give (the last one wins; None: none given).
-    One with an interpolation (${...}) is left to Hydra."""
+    which refused `def f(x):`, `it's` and `${HOME}` in lines naming its lexer or an interpolation,
+    and dropped leading and trailing spaces: reviews), and the prompt they give (the last one wins;
+    None: none given)."""
     rest, prompt, source = [], None, None
     for a in overrides:
         key, eq, raw = a.lstrip("+").partition("=")
-        if eq and key == "prompt" and "${" not in raw:
+        if eq and key == "prompt":
             prompt, source = _typed_prompt(raw), "prompt"
         elif eq and key == "prompt_file":
             path = Path(raw).expanduser()
@@ -89,12 +89,11 @@ def main(argv: list[str]) -> int:
         from ..moe.api import generate
 
         prompt_ids = _prompt_ids(cfg.get("prompt_ids"))
-        prompt = cfg.prompt if typed is None else typed
-        if prompt is not None and not isinstance(prompt, str):
-            # Hydra parsed it (prompt=123, prompt=true, prompt=1e3): the text as typed, not its value
-            raw = next((a.split("=", 1)[1] for a in reversed(overrides)
-                        if a.lstrip("+").startswith("prompt=")), None)
-            prompt = raw if raw is not None and "${" not in raw else str(prompt)
+        if typed is not None and prompt_ids is not None:   # (the text was dropped without a word)
+            raise ValueError("give prompt=TEXT (or prompt_file=PATH) or prompt_ids=[...], not both")
+        prompt = cfg.get("prompt") if typed is None else typed   # (~prompt: none)
+        if prompt is not None and not isinstance(prompt, str):   # (a config file's `prompt: 123`)
+            prompt = str(prompt)
         res = generate(cfg.moe.store, prompt=prompt, prompt_ids=prompt_ids,
                        max_new_tokens=whole_setting("max_new_tokens", cfg.max_new_tokens, 1),
                        **engine_kwargs(cfg))

@@ -24,6 +24,12 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    import os
+
+    if os.environ.get("LAZYTRAIN_CONFIG_DIR"):
+        # the dir as this command line meant it: Hydra's jobs may change into their own dirs
+        # (hydra.job.chdir=true), where a relative one named nothing (every sweep job refused)
+        os.environ["LAZYTRAIN_CONFIG_DIR"] = os.path.abspath(os.environ["LAZYTRAIN_CONFIG_DIR"])
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0

@@ -175,6 +175,13 @@ def _with_run_settings(argv: list[str]) -> tuple[list[str], list[str]]:
     taken = [a for a in saved if isinstance(a, str) and "=" in a and _key(a) not in kv
              and _key(a) not in NOT_RESUMED and not _key(a).startswith(("hydra.", "hydra/"))
              and _key(a).split(".", 1)[0] not in groups]
+    # job.clip_grad was ignored by `train` until 2026-12-02 (it clips by optim.max_grad_norm) and is
+    # refused now where it disagrees: a run that recorded one is resumed as it ran, without it
+    ignored = [a for a in taken if _key(a) == "job.clip_grad"]
+    if ignored:
+        taken = [a for a in taken if a not in ignored]
+        print(f"lazytrain train: resume=true: not taking over the run's {ignored[0]} (`train` clips by "
+              "optim.max_grad_norm, as this run did; job.clip_grad follows it)", file=sys.stderr)
     cwd = _recorded_cwd(record.parent / "hydra.yaml")
     if cwd is not None and cwd != Path.cwd():
         taken = [_rerooted(a, cwd) for a in taken]

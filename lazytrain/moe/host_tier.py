@@ -74,9 +74,9 @@ class HostTier:
                 # to NVMe-only. (Until 2026-12-02 a full tier evicted another expert for the
                 # spill first: every host hit that found the tier full lost one expert to NVMe;
                 # a review's 8 device + 24 host slots holding all 32 experts still read the disk.)
-                slot = self.slot_of.pop(keep)
-                if self._staging is None:
+                if self._staging is None:   # (before anything moves: a failed allocation loses nothing)
                     self._staging = aligned_empty(self.slot_bytes, pin=self.pinned_memory)
+                slot = self.slot_of.pop(keep)
                 self._staging.copy_(self.pool[slot])
                 self._staged = keep
                 self.policy.forget(keep)

@@ -123,12 +123,14 @@ class PredictorHeads(nn.Module):
 
 
 def routers_crc32(layers: list[MoeLayer]) -> int:
-    """crc32 of every MoE layer's router weights: which model a predictor was trained on."""
+    """crc32 of every MoE layer's router weights, rounded to bf16: which model a predictor was
+    trained on, whatever dtype its store holds (fp32 and bf16 stores of one model agree; hashed in
+    their own dtypes they did not, and a predictor was refused on the other: a review)."""
     import zlib
 
     crc = 0
     for ml in layers:
-        w = ml.router.weight.detach().to("cpu").contiguous()
+        w = ml.router.weight.detach().to("cpu", torch.bfloat16).contiguous()
         crc = zlib.crc32(w.view(-1).view(torch.uint8).numpy().tobytes(), crc)
     return crc
 

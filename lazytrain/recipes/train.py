@@ -105,7 +105,7 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
             raise ConfigError(
                 f"job.clip_grad={str(given).lower()} but optim.max_grad_norm="
                 f"{'null' if not clips else cfg.optim.max_grad_norm}: `lazytrain train` clips by optim.max_grad_norm "
-                "(job.clip_grad follows it); "
+                "(job.clip_grad follows it: leave it out, or job.clip_grad=null); "
                 + ("set optim.max_grad_norm=null for no clipping" if not given else
                    "set optim.max_grad_norm to a norm (1.0, or inf: no clipping, but a non-finite step is skipped)"))
         d["clip_grad"] = clips
@@ -232,7 +232,7 @@ def plan_nvme_bytes(plan: Plan) -> int:
 
 def preflight(cfg: DictConfig) -> Preflight:
     """Every check that needs no model weights and writes nothing (except the solver cache)."""
-    check_declared_keys(cfg)   # (again: a sweep's jobs come here from Hydra, not load_config)
+    check_declared_keys(cfg, "train")   # (again: a sweep's jobs come here from Hydra, not load_config)
     check_bool_settings(cfg)
     if cfg.engine not in ENGINES:
         raise ConfigError(f"unknown engine {cfg.engine!r}; valid: {', '.join(ENGINES)}")

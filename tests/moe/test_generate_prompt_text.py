@@ -33,6 +33,7 @@ def _prefill(capsys, argv) -> tuple[int, dict | None]:
 @pytest.mark.parametrize("typed, text", [
     ("def f(x):", "def f(x):"), ("it's", "it's"), (" leading space", " leading space"),
     ("trailing ", "trailing "), ("null", "null"), ("a=b {c}", "a=b {c}"), ("x, y", "x, y"),
+    ("echo ${HOME}", "echo ${HOME}"), ("const s = `${a}`;", "const s = `${a}`;"),
     ("'def f(x):'", "def f(x):"),          # Hydra's own quoting still means what it meant
     ("'it\\'s'", "it's"),
 ])
@@ -55,3 +56,12 @@ def test_prompt_file(store_and_tok, capsys, tmp_path):
     assert gen_cli.main([f"moe.store={store}", f"prompt_file={tmp_path / 'missing.txt'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prompt_file=" in err[0] and "missing.txt" in err[0]
+
+
+def test_last_prompt_wins_and_prompt_with_ids_is_refused(store_and_tok, capsys):
+    store, tok = store_and_tok
+    rc, got = _prefill(capsys, [f"moe.store={store}", "prompt=a", "prompt=${oc.env:HOME} x"])
+    assert rc == 0 and got["stats"]["prefill_tokens"] == len(tok("${oc.env:HOME} x")["input_ids"])
+    assert gen_cli.main([f"moe.store={store}", "prompt=hi", "prompt_ids=[1,2]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not both" in err[0]

@@ -3,6 +3,7 @@ trained on another model of the same shapes is refused in one line (it was taken
 worse: hit rate 0.53 vs 0.63 in a review's case, 2026-12-02). Files without the record still load."""
 
 import pytest
+import torch
 
 from lazytrain.cli import generate as gen_cli
 from lazytrain.cli import moe as moe_cli
@@ -43,6 +44,8 @@ def test_a_file_without_the_record_still_loads(tiny_moe, tmp_path):
     other = find_moe_layers(tiny_moe("mixtral", seed=3))
     with pytest.raises(ValueError, match="trained for another model"):
         TrainedPredictor(rec, other)
+    # the same model in bf16 (a bf16 store of it) is the same model
+    TrainedPredictor(rec, find_moe_layers(tiny_moe("mixtral").to(torch.bfloat16)))
 
 
 def test_the_streamed_model_builds_no_autograd_graph(mixtral_store):

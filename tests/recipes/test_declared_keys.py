@@ -31,7 +31,7 @@ def test_open_sections_still_take_new_keys():
     assert cfg.model.hf_config.rope_theta == 5e5
     from lazytrain.cli.config import check_declared_keys
 
-    check_declared_keys(cfg)
+    check_declared_keys(cfg, "train")
 
 
 def test_hf_config_next_to_model_path_is_refused(tmp_path):
@@ -45,3 +45,42 @@ def test_a_sweep_job_is_checked_too(base_overrides, tmp_path, capsys):
     assert rc == 2
     assert "optim.learning_rate: no such setting" in capsys.readouterr().err
     assert not (tmp_path / "sw").exists() or not any((tmp_path / "sw").rglob("metrics.jsonl"))
+
+
+def test_a_key_of_another_command_is_named_as_such_and_not_accepted_with_plus():
+    """Review: the declared set was the union of every command's files: `plan optim.max_grad_norm=null`
+    said "did you mean optim.max_grad_norm?", and `plan +optim.max_grad_norm=null` planned clipping."""
+    for ov in ("optim.max_grad_norm=null", "+optim.max_grad_norm=null", "+prompt=hi"):
+        with pytest.raises(ConfigError, match=r"not a setting of this command"):
+            load_config(["model=tiny-llama", ov])             # (lazytrain plan's config)
+    with pytest.raises(ConfigError, match=r"^moe: not a setting of this command"):
+        load_config(["model=tiny-llama", "+moe.cache_fraction=0.1"], config_name="train")
+
+
+def test_legitimate_hydra_forms_still_work(tmp_path):
+    """Review: a helper key an interpolation reads, a deletion next to model.path, a group@package."""
+    cfg = load_config(["model=tiny-llama", "+optim.base_lr=1e-4", "optim.lr=${optim.base_lr}",
+                       "+vars.bs=4", "job.batch_size=${vars.bs}"], config_name="train")
+    assert cfg.optim.lr == 1e-4 and cfg.job.batch_size == 4
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config([f"model.path={tmp_path}", "~model.hf_config"], config_name="train")
+    assert "hf_config" not in cfg.model
+    with pytest.raises(ConfigError) as e:
+        load_config(["model@model=tiny-llama"], config_name="train")
+    assert "no such setting" not in str(e.value)
+
+
+def test_a_relative_config_dir_is_pinned_for_jobs_that_change_dir(tmp_path, monkeypatch):
+    """Review: a relative LAZYTRAIN_CONFIG_DIR named nothing once Hydra changed into a job's dir
+    (hydra.job.chdir=true): every sweep job was refused. The CLI pins it absolute first."""
+    import os
+    import shutil
+
+    from lazytrain.cli import main as cli_main
+    from lazytrain.cli.config import config_dir
+
+    shutil.copytree(config_dir(), tmp_path / "cfgs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LAZYTRAIN_CONFIG_DIR", "cfgs")
+    cli_main.main(["no-such-command"])
+    assert os.environ["LAZYTRAIN_CONFIG_DIR"] == str(tmp_path / "cfgs")

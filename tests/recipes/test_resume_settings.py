@@ -174,3 +174,15 @@ def test_a_sweep_dir_as_the_shell_passes_it_is_read_as_the_path(base_overrides, 
     assert (out / "metrics.jsonl").is_file()
     assert cli.main([f"output_dir={out}", "resume=true", "job.max_steps=3"]) == 0, capsys.readouterr().err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_recorded_job_clip_grad_is_not_taken_over(tmp_path, capsys):
+    """Review (2026-12-02): a run started with job.clip_grad=false (ignored by train then: it
+    clipped by optim.max_grad_norm) was refused on resume once a disagreeing job.clip_grad was;
+    it resumes as it ran, and says so."""
+    out = tmp_path / "run"
+    (out / ".hydra").mkdir(parents=True)
+    (out / ".hydra" / "overrides.yaml").write_text("- model=tiny-llama\n- job.clip_grad=false\n- job.seq_len=32\n")
+    _, taken = cli._with_run_settings([f"output_dir={out}", "resume=true"])
+    assert taken == ["model=tiny-llama", "job.seq_len=32"]
+    assert "not taking over the run's job.clip_grad=false" in capsys.readouterr().err

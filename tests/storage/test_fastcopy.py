@@ -123,6 +123,7 @@ def test_build_dir_is_per_torch_and_python_version(monkeypatch, tmp_path):
     import torch
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LAZYTRAIN_CPP_MARCH", raising=False)   # (=none: no CPU features in the key)
     ext = Extension("lazytrain_never_built", tmp_path / "missing.cpp", "test kernel", "the fallback")
     here = ext.build_dir()
     assert here.parent == tmp_path and here.name.startswith("lazytrain_never_built-")
