@@ -51,7 +51,8 @@ def config_dir() -> Path:
 
 
 def available(group: str) -> list[str]:
-    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    d = config_dir() / group   # (options in subfolders are chosen as group=sub/name, as Hydra does)
+    return sorted(p.relative_to(d).with_suffix("").as_posix() for p in d.rglob("*.yaml"))
 
 
 def _check_group_choices(overrides: list[str]) -> None:
@@ -94,46 +95,77 @@ def unknown_setting(key: str, declared: frozenset[str] | None = None) -> str:
     import difflib
 
     declared = declared if declared is not None else declared_keys()
-    if key in declared_keys():   # (declared, but for another command: plan's optim.*, train's prompt)
+    if key in declared_keys() or key.split(".")[0] in FREE_FORM:
+        # (declared, but for another command: plan's optim.*, train's prompt, generate's job.*)
         return f"{key}: not a setting of this command (another lazytrain command's config declares it)"
     section, _, leaf = key.rpartition(".")
-    if section and section not in declared:   # (a whole section mistyped: optimm.lr)
+    fixed = ""
+    if section and section not in declared:   # (a section mistyped, optimm.lr: its closest, if any)
         near = difflib.get_close_matches(section, sorted(k for k in declared if "." not in k), n=1)
-        return (f"{key}: no such setting (no section {section!r}"
-                + (f"; did you mean {near[0]}.{leaf}?" if near else "") + ")")
+        if not near:
+            return f"{key}: no such setting (no section {section!r})"
+        fixed = f"no section {section!r}; "
+        section = near[0]
     names = sorted(k.rpartition(".")[2] for k in declared if k.rpartition(".")[0] == section)
-    near = [n for n in difflib.get_close_matches(leaf, names, n=2) if n != leaf][:1]
+    near = [n for n in difflib.get_close_matches(leaf, names, n=2) if n != leaf or fixed][:1]
     hint = f"; did you mean {section + '.' if section else ''}{near[0]}?" if near else ""
-    return f"{key}: no such setting{hint} ({section or 'top-level'} settings: {', '.join(names)})"
+    return f"{key}: no such setting ({fixed}{section or 'top-level'} settings: {', '.join(names)}){hint}"
 
 
-_REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+_INTERP = re.compile(r"\$\{([^${}]*)\}")
+_KEYLIKE = re.compile(r"^\.*[A-Za-z_][\w.]*$")
+
+
+def _refs_in(text: str, parent: str) -> set[str]:
+    """Dotted keys one interpolation string reads: `${a.b}`, relative `${.x}` (from `parent`), and
+    key-like arguments of a resolver (`${oc.select:optim.base_lr,3e-4}`)."""
+    out: set[str] = set()
+    for body in _INTERP.findall(text):
+        name, colon, args = body.partition(":")
+        cands = [a.strip() for a in args.split(",")] if colon else [body.strip()]
+        for c in cands:
+            if not _KEYLIKE.match(c):
+                continue
+            dots = len(c) - len(c.lstrip("."))
+            if dots:   # relative: one dot is the node's own parent, each more one level up
+                base = parent.split(".") if parent else []
+                base = base[:len(base) - (dots - 1)] if dots > 1 else base
+                c = ".".join([*base, c.lstrip(".")])
+            out.add(c)
+    return out
 
 
 def _referenced(cfg: DictConfig) -> set[str]:
-    """Dotted keys a `${key}` interpolation anywhere in `cfg` refers to (a helper the user added with
-    `+` for others to interpolate, e.g. `+optim.base_lr=1e-4 optim.lr='${optim.base_lr}'`, is read)."""
+    """Dotted keys an interpolation anywhere in `cfg` (mappings and lists) reads: a helper the user
+    added with `+` for others to interpolate (`+optim.base_lr=1e-4 optim.lr='${optim.base_lr}'`,
+    `data.files=[${root}/a.jsonl]`) is read."""
+    from omegaconf import ListConfig
+
     refs: set[str] = set()
 
-    def walk(node) -> None:
-        for k in node.keys():
+    def walk(node, path: str) -> None:
+        is_list = isinstance(node, ListConfig)
+        for k in (range(len(node)) if is_list else node.keys()):
             v = node._get_node(k)
+            if v is None:
+                continue
             if v._is_interpolation():
-                refs.update(_REF.findall(str(v._value())))
-            elif isinstance(v, DictConfig) and not v._is_missing() and not v._is_none():
-                walk(v)
+                refs.update(_refs_in(str(v._value()), path))
+            elif isinstance(v, (DictConfig, ListConfig)) and not v._is_missing() and not v._is_none():
+                walk(v, path if is_list else (f"{path}.{k}" if path else str(k)))
 
-    walk(cfg)
+    walk(cfg, "")
     return refs
 
 
-def chosen_groups(root: Path, config_name: str, overrides: list[str]) -> set[str]:
-    """The config groups a command has: those its primary config's defaults lists name, and those
-    the command line chooses (`+moe=default`: generate's and moe's)."""
+def chosen_groups(root: Path, config_name: str, extra: tuple[str, ...] = ()) -> set[str]:
+    """The config groups a command has: those its primary config's defaults lists name, and `extra`,
+    those the command adds itself (generate's and moe's `+moe=default`). A group chosen on the
+    command line beyond these (`plan +data=text`) is no setting of the command."""
     import yaml
 
     names = {d.name for d in root.iterdir() if d.is_dir()}
-    chosen: set[str] = set()
+    chosen: set[str] = set(extra)
     for f in _top_files(root, config_name):
         try:
             node = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
@@ -141,41 +173,54 @@ def chosen_groups(root: Path, config_name: str, overrides: list[str]) -> set[str
             continue
         for d in node.get("defaults") or []:
             if isinstance(d, dict):
-                chosen.update(k.split()[-1].split("@")[0].lstrip("/") for k in d)   # ("override model")
-    for o in overrides:
-        key = o.lstrip("+~").split("=", 1)[0].split("@")[0]
-        if "." not in key:
-            chosen.add(key)
+                chosen.update(k.split()[-1].split("@")[0].strip("/") for k in d)   # ("override model")
     return chosen & names
 
 
 def check_declared_keys(cfg: DictConfig, config_name: str = "config", root: Path | None = None,
-                        overrides: list[str] | None = None) -> None:
+                        extra_groups: tuple[str, ...] = ()) -> None:
     """ConfigError for a setting the command's config files do not declare (added with `+`/`++`:
     Hydra's own hint for a mistyped key, `+optim.learning_rate=0.1`, trained at the default lr
-    without a word: a review). Keys an interpolation refers to are read, and pass; so does a config
-    dir that has no config files (nothing to check against)."""
+    without a word: a review). A key an interpolation reads passes (and what lies under it), and so
+    does a config dir that has no config files (nothing to check against)."""
     root = root or config_dir()
     if not root.is_dir():
         return
-    declared = declared_keys(root, config_name, chosen_groups(root, config_name, overrides or []))
+    declared = declared_keys(root, config_name, chosen_groups(root, config_name, extra_groups))
     refs = _referenced(cfg)
 
-    def read(key: str) -> bool:
-        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in refs)
+    def read(key: str) -> bool:      # the key, or something under one, is what a reference reads
+        return any(r == key or key.startswith(r + ".") for r in refs)
+
+    def holds_read(key: str) -> bool:   # a section some reference reads into (walked, not skipped)
+        return any(r.startswith(key + ".") for r in refs)
 
     def walk(node, prefix: str) -> None:
         for k in node.keys():
             key = f"{prefix}{k}"
-            if _free_form(key) or read(key):
+            if read(key) or (_free_form(key) and key.split(".")[0] in declared):
                 continue
-            if key not in declared:
+            if key not in declared and not holds_read(key):
                 raise ConfigError(unknown_setting(key, declared))
             v = node._get_node(k)
             if isinstance(v, DictConfig) and not v._is_missing() and not v._is_none() and not v._is_interpolation():
                 walk(v, key + ".")
 
     walk(cfg, "")
+
+
+def check_read_sections(overrides: list[str], reads: tuple[str, ...], command: str) -> None:
+    """ConfigError for an override of a setting the command composes but never reads (generate's
+    and moe's config has plan's job.*, planner.*, hardware: set there, they changed nothing)."""
+    for o in overrides:
+        if o.startswith("~") or "=" not in o:
+            continue
+        key = o.lstrip("+").split("=", 1)[0]
+        if key.startswith("hydra.") or key.startswith("hydra/"):
+            continue
+        if not any(key == r or key.startswith(r + ".") for r in reads):
+            raise ConfigError(f"{key}: not a setting of `lazytrain {command}` (it reads "
+                              f"{', '.join(reads)})")
 
 
 def check_hf_config_with_path(cfg: DictConfig, overrides: list[str]) -> None:
@@ -206,7 +251,7 @@ def _top_files(root: Path, config_name: str) -> list[Path]:
             node = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
-        todo += [d for d in (node.get("defaults") or []) if isinstance(d, str) and d != "_self_"]
+        todo += [d.lstrip("/") for d in (node.get("defaults") or []) if isinstance(d, str) and d != "_self_"]
     return out
 
 
@@ -228,18 +273,29 @@ def _declared(root: Path | None, bools: bool, config_name: str | None = None,
             keys.add(prefix[:-1])
 
     tops = sorted(root.glob("*.yaml")) if config_name is None else _top_files(root, config_name)
-    grouped = [f for f in sorted(root.glob("*/*.yaml")) if groups is None or f.parent.name in groups]
+    grouped = [f for f in sorted(root.glob("*/**/*.yaml"))
+               if groups is None or f.relative_to(root).parts[0] in groups]
     for f in tops + grouped:
         try:
             text = f.read_text(encoding="utf-8")
             node = yaml.safe_load(text)
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue   # (composing reports a broken file, with its name)
-        glob_pkg = "@package _global_" in text.split("\n", 1)[0]
-        if f.parent != root and not bools:
-            keys.add(f.parent.name)   # (the group itself: model, hardware, ...)
-        walk(node, "" if f.parent == root or glob_pkg else f"{f.parent.name}.")
+        group = f.relative_to(root).parts[0] if f.parent != root else None
+        if group and not bools:
+            keys.add(group)   # (the group itself: model, hardware, ...)
+        walk(node, "" if group is None or _global_package(text) else f"{group}.")
     return frozenset(keys)
+
+
+def _global_package(text: str) -> bool:
+    """A `# @package _global_` header: among the comment lines a file starts with (Hydra's header)."""
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            return False
+        if "@package" in line:
+            return "_global_" in line
+    return False
 
 
 def check_bool_settings(cfg: DictConfig) -> None:
@@ -251,8 +307,9 @@ def check_bool_settings(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be true or false, got {v!r}")
 
 
-def load_config(overrides: list[str], config_name: str = "config") -> DictConfig:
-    """Compose the config the way `@hydra.main` would, for commands that are not Hydra apps."""
+def load_config(overrides: list[str], config_name: str = "config", extra_groups: tuple[str, ...] = ()) -> DictConfig:
+    """Compose the config the way `@hydra.main` would, for commands that are not Hydra apps.
+    `extra_groups`: groups the command adds itself (see chosen_groups)."""
     import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -278,12 +335,12 @@ def load_config(overrides: list[str], config_name: str = "config") -> DictConfig
         if m and not _free_form(m.group(1)):
             # (not Hydra's "To append to your config use +k=v": nothing would read it)
             root = config_dir()
-            declared = declared_keys(root, config_name, chosen_groups(root, config_name, overrides))
+            declared = declared_keys(root, config_name, chosen_groups(root, config_name, extra_groups))
             raise ConfigError(unknown_setting(m.group(1), declared)) from None
         hint = [x for x in lines[1:2] if x.startswith("To append")]
         raise ConfigError(" ".join(lines[:1] + hint)) from None
     _check_group_nodes(cfg, overrides)
-    check_declared_keys(cfg, config_name, overrides=overrides)
+    check_declared_keys(cfg, config_name, extra_groups=extra_groups)
     check_hf_config_with_path(cfg, overrides)
     check_bool_settings(cfg)
     return cfg

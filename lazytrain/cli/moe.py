@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     from ..moe.cliutil import USER_ERRORS, compose, fail
 
     try:
-        cfg = compose([a for a in rest if a != "--json"])
+        cfg = compose([a for a in rest if a != "--json"], command="moe")
         res = TOOLS[tool](cfg)
     except USER_ERRORS as e:
         return fail(f"moe {tool}", e)
