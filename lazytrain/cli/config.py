@@ -162,16 +162,10 @@ def chosen_groups(root: Path, config_name: str, extra: tuple[str, ...] = ()) -> 
     """The config groups a command has: those its primary config's defaults lists name, and `extra`,
     those the command adds itself (generate's and moe's `+moe=default`). A group chosen on the
     command line beyond these (`plan +data=text`) is no setting of the command."""
-    import yaml
-
     names = {d.name for d in root.iterdir() if d.is_dir()}
     chosen: set[str] = set(extra)
     for f in _top_files(root, config_name):
-        try:
-            node = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
-        for d in node.get("defaults") or []:
+        for d in _defaults(f):
             if isinstance(d, dict):
                 chosen.update(k.split()[-1].split("@")[0].strip("/") for k in d)   # ("override model")
     return chosen & names
@@ -238,8 +232,6 @@ def check_hf_config_with_path(cfg: DictConfig, overrides: list[str]) -> None:
 
 def _top_files(root: Path, config_name: str) -> list[Path]:
     """The primary config file and the top-level files its defaults list names (train -> config)."""
-    import yaml
-
     out: list[Path] = []
     todo = [config_name]
     while todo:
@@ -247,18 +239,12 @@ def _top_files(root: Path, config_name: str) -> list[Path]:
         if f in out or not f.is_file():
             continue
         out.append(f)
-        try:
-            node = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
-        todo += [d.lstrip("/") for d in (node.get("defaults") or []) if isinstance(d, str) and d != "_self_"]
+        todo += [d.lstrip("/") for d in _defaults(f) if isinstance(d, str) and d != "_self_"]
     return out
 
 
 def _declared(root: Path | None, bools: bool, config_name: str | None = None,
               groups: set[str] | None = None) -> frozenset[str]:
-    import yaml
-
     root = root or config_dir()
     keys: set[str] = set()
 
@@ -276,16 +262,43 @@ def _declared(root: Path | None, bools: bool, config_name: str | None = None,
     grouped = [f for f in sorted(root.glob("*/**/*.yaml"))
                if groups is None or f.relative_to(root).parts[0] in groups]
     for f in tops + grouped:
-        try:
-            text = f.read_text(encoding="utf-8")
-            node = yaml.safe_load(text)
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        got = _yaml_file(f)
+        if got is None:
             continue   # (composing reports a broken file, with its name)
+        text, node = got
         group = f.relative_to(root).parts[0] if f.parent != root else None
         if group and not bools:
             keys.add(group)   # (the group itself: model, hardware, ...)
         walk(node, "" if group is None or _global_package(text) else f"{group}.")
     return frozenset(keys)
+
+
+_YAML_CACHE: dict[Path, tuple[tuple[int, int], str, Any]] = {}
+
+
+def _yaml_file(f: Path) -> tuple[str, Any] | None:
+    """(text, parsed YAML) of a config file, or None when it cannot be read or parsed (composing
+    reports such a file, with its name). Parsed once per content (keyed on mtime and size): a
+    command checks its keys in load_config and again in preflight, over ~25 files each time."""
+    import yaml
+
+    try:
+        st = f.stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+        hit = _YAML_CACHE.get(f)
+        if hit is None or hit[0] != stamp:
+            text = f.read_text(encoding="utf-8")
+            hit = _YAML_CACHE[f] = (stamp, text, yaml.safe_load(text))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return hit[1], hit[2]
+
+
+def _defaults(f: Path) -> list:
+    """A config file's defaults list ([] when it has none or cannot be read)."""
+    got = _yaml_file(f)
+    node = got[1] if got is not None else None
+    return (node.get("defaults") or []) if isinstance(node, dict) else []
 
 
 def _global_package(text: str) -> bool:

@@ -55,15 +55,15 @@ def _take_prompt(overrides: list[str]) -> tuple[list[str], str | None]:
     which refused `def f(x):`, `it's` and `${HOME}` in lines naming its lexer or an interpolation,
     and dropped leading and trailing spaces: reviews), and the prompt they give (the last one wins;
     None: none given)."""
-    rest, prompt, source = [], None, None
+    rest, prompt = [], None
     for a in overrides:
         key, eq, raw = a.lstrip("+").partition("=")
         if eq and key == "prompt":
-            prompt, source = _typed_prompt(raw), "prompt"
+            prompt = _typed_prompt(raw)
         elif eq and key == "prompt_file":
             path = Path(raw).expanduser()
             try:
-                prompt, source = path.read_text(encoding="utf-8"), "prompt_file"
+                prompt = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise ValueError(f"prompt_file={raw}: cannot read it as UTF-8 text "
                                  f"({type(e).__name__}: {e})") from None

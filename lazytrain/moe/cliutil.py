@@ -8,22 +8,20 @@ import sys
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, OSError, KeyError)
 
 
+# What generate and moe read of the config they compose (config.yaml's job.*, planner.*, hardware and
+# model=... are plan's: set for these commands they changed nothing, without a word: a review)
+READS = ("model.path", "moe", "prompt", "prompt_ids", "max_new_tokens", "out", "predictor_train")
+
+
 def compose(overrides: list[str], command: str = "generate"):
     """The Hydra config with the `moe` group selected (every model config declares `path`)."""
-    from ..cli.config import load_config
-
-    from ..cli.config import check_read_sections
+    from ..cli.config import check_read_sections, load_config
 
     ovs = list(overrides)
     check_read_sections(ovs, READS, command)
     if not any(o.lstrip("+").startswith("moe=") for o in ovs):
         ovs.insert(0, "+moe=default")
     return load_config(ovs, extra_groups=("moe",))
-
-
-# What generate and moe read of the config they compose (config.yaml's job.*, planner.*, hardware and
-# model=... are plan's: set for these commands they changed nothing, without a word: a review)
-READS = ("model.path", "moe", "prompt", "prompt_ids", "max_new_tokens", "out", "predictor_train")
 
 
 def whole_setting(name: str, v, lo: int) -> int:

@@ -31,13 +31,11 @@ def _expert_param_set(layers: list[MoeLayer]) -> set[str]:
 
 def convert_model(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write the store of an in-memory model (fused expert parameters)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(model, "hf_quantizer", None) is not None:
-        refuse_quantized({"quantization_config": getattr(cfg, "quantization_config", None) or {"quant_method": "?"}},
-                         "the model")
+    hf_config = model.config.to_dict()
+    refuse_quantized(hf_config, "the model")   # (a quantized model's config carries its quantization_config)
     _check_rebuilt_buffers(model)
     layers = find_moe_layers(model)
-    writer = StoreWriter(out_dir, model.config.to_dict())
+    writer = StoreWriter(out_dir, hf_config)
     for ml in layers:
         params = {t.name: getattr(ml.experts, t.name) for t in ml.tensors}
         writer.write_layer(ml, lambda e, p=params: {k: v[e] for k, v in p.items()})

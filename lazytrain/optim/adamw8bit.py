@@ -390,8 +390,9 @@ class AdamW8bit(torch.optim.Optimizer):
         if p.dtype not in _SUPPORTED_PARAM_DTYPES or (p.dtype == torch.float32) == ("master" in s):
             made = "bfloat16" if "master" in s else "float32"
             bad.append(f"it was made for a {made} parameter")
-        if _saved_shape(s) not in (None, tuple(p.shape)):
-            bad.append(f"it was made for a parameter of shape {_saved_shape(s)}")
+        made_for = _saved_shape(s)
+        if made_for not in (None, tuple(p.shape)):
+            bad.append(f"it was made for a parameter of shape {made_for}")
         if bad:
             raise ValueError(
                 f"AdamW8bit: a parameter of shape {tuple(p.shape)} ({p.dtype}) no longer fits its optimizer "
