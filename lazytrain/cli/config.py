@@ -387,6 +387,23 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
     return ModelSpec.from_hf_config(OmegaConf.to_container(m.hf_config, resolve=True), name=m.get("name"))
 
 
+def check_model_structure(mspec: ModelSpec, chunk_tokens: int = 0) -> None:
+    """ConfigError when the streaming executor would refuse the model's structure (spec.generic.
+    structure_problem: its forward computes more than embed -> blocks -> final norm -> head), said
+    before any weight loads or plan solves (the executor said it only once built: review). The
+    families with formulas (spec.model.FAMILIES) compute nothing else; the others are probed."""
+    from ..spec.model import FAMILIES
+
+    if mspec.family in FAMILIES:
+        return
+    from ..spec.generic import structure_problem
+
+    why = structure_problem(dict(mspec.hf_config), chunk_tokens)
+    if why:
+        raise ConfigError(f"the streaming executor cannot train this model exactly: {why}; engine=torch "
+                          f"trains it unchanged (without streaming)")
+
+
 def model_hf_config(cfg: DictConfig) -> dict[str, Any]:
     return dict(model_spec(cfg).hf_config)
 

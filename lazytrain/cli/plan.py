@@ -46,12 +46,13 @@ def _inputs(overrides: list[str]):
     if flags:   # left over after the subcommand took its own: a typo (Hydra's lexer error otherwise)
         raise ConfigError(f"unknown option {flags[0]!r} (see `lazytrain plan --help`)")
     cfg = load_config(overrides)
-    from .config import planner_cache_dir, profile_mismatch
+    from .config import check_model_structure, planner_cache_dir, profile_mismatch
     cache_dir = planner_cache_dir(cfg)
     use_cache = bool(cfg.planner.cache)
     # planner.cache=false bypasses the cache both ways: nothing read, nothing written
     model, hw, job = model_spec(cfg), hardware_spec(cfg), job_spec(cfg)
     profile_mismatch(cfg, job)
+    check_model_structure(model, job.loss_chunk_tokens)
     return model, hw, job, planner_options(cfg), use_cache, cache_dir if use_cache else None
 
 

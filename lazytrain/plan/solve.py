@@ -47,10 +47,11 @@ def model_code_fingerprint() -> str:
     plan made by other code is not served, even without a version bump."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for sub in ("spec", "costmodel", "plan"):
-        for f in sorted((root / sub).glob("*.py")):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
+    # (models/adapter.py: the structure finder a measured spec is built with: review)
+    for f in [*(f for sub in ("spec", "costmodel", "plan") for f in sorted((root / sub).glob("*.py"))),
+              root / "models" / "adapter.py"]:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -58,11 +59,14 @@ def versions() -> dict[str, str]:
     import pulp
     out = {"lazytrain": __version__, "pulp": pulp.__version__, "planner_code": model_code_fingerprint()}
     # (highspy has no __version__: a HiGHS upgrade, whose plans can differ, kept the cache's keys)
+    # torch and transformers build the measured specs of model types without formulas
+    # (spec/generic.py: what a block saves for backward): an upgrade may change them (review)
     from importlib import metadata
-    try:
-        out["highspy"] = metadata.version("highspy")
-    except metadata.PackageNotFoundError:
-        out["highspy"] = "absent"
+    for pkg in ("highspy", "torch", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "absent"
     return out
 
 

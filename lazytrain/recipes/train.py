@@ -26,12 +26,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 
-from ..cli.config import (ConfigError, check_bool_settings, check_declared_keys, hardware_spec, hydra_quoted, model_spec,
+from ..cli.config import (ConfigError, check_bool_settings, check_declared_keys, check_model_structure, hardware_spec, hydra_quoted, model_spec,
                           planner_cache_dir, planner_options, profile_mismatch)
 from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
 from ..models.lora import apply_lora, point_adapter_at_base, save_base_model, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
+from ..models.adapter import ModelStructureError
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import ALIGN_BYTES, DiskIOError
 from ..storage.atomic import keep_jsonl_rows
@@ -246,6 +247,8 @@ def preflight(cfg: DictConfig) -> Preflight:
     hw = hardware_spec(cfg)
     job, max_steps = job_spec_of(cfg)
     profile_mismatch(cfg, job)
+    if cfg.engine == "lazytrain":
+        check_model_structure(mspec, job.loss_chunk_tokens)
     if job.mode == "lora":
         check_lora_targets(mspec, cfg.model.get("path"), job.lora_targets, chunked_loss=bool(job.loss_chunk_tokens))
     for what in ("compute_dtype", "master_dtype"):
@@ -334,6 +337,10 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
     if frac:
         return ds.split_off(float(frac))
     if not files:
+        asked = [f"{k}={cfg.get(k)}" for k in ("eval_every", "eval_batches") if cfg.get(k)]
+        if asked:   # (ignored without a word before: review)
+            raise ConfigError(f"{' and '.join(asked)} evaluate on data.eval_files or data.eval_fraction, and "
+                              f"neither is set; set one (e.g. data.eval_fraction=0.05) or drop {asked[0].split('=')[0]}")
         return ds, None
     try:
         eval_ds = dataset_of(cfg, files, tokenizer, seq_len)
@@ -564,13 +571,19 @@ def build_engine(cfg: DictConfig, model: torch.nn.Module, pre: Preflight, out: P
         else torch.device("cpu")
     if cfg.engine == "lazytrain":
         # weights stream and compute in the plan's dtype (what the planner sized); fp32 masters
-        # come from the loaded fp32 values
-        return StreamingEngine(model, pre.plan, device=device, nvme_dir=nvme_dir, optimizer=optimizer,
-                               trace_path=out / "trace.jsonl",
-                               compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
-                               master_dtype=TORCH_DTYPES[pre.job.master_dtype],
-                               count_op_temporaries=bool(cfg.get("count_op_temporaries", False)),
-                               loss_scale=loss_scale, **common)
+        # come from the loaded fp32 values. A model the executor cannot run exactly (its forward
+        # computes more than embed -> blocks -> final norm -> head) is refused in one line (a
+        # traceback before: review)
+        try:
+            return StreamingEngine(model, pre.plan, device=device, nvme_dir=nvme_dir, optimizer=optimizer,
+                                   trace_path=out / "trace.jsonl",
+                                   compute_dtype=TORCH_DTYPES[pre.job.compute_dtype],
+                                   master_dtype=TORCH_DTYPES[pre.job.master_dtype],
+                                   count_op_temporaries=bool(cfg.get("count_op_temporaries", False)),
+                                   loss_scale=loss_scale, **common)
+        except ModelStructureError as e:
+            raise ModelConfigError(f"engine=lazytrain cannot train this model exactly: {e}; engine=torch "
+                                   f"runs it unchanged (without streaming)") from None
     if cfg.engine == "deepspeed":
         overrides = pre.ds_overrides
         if TORCH_DTYPES[pre.job.compute_dtype] == torch.float16:
@@ -778,6 +791,14 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
                           f"use the settings it was written with or a new output_dir") from None
     echo(f"resumed from {last} (step {state['step']}, data position {state['data_position']})")
     step, was = int(state["step"]), state.get("max_steps")
+    if "eval_fingerprint" in state:   # (checkpoints before 2026-12-02 do not record it)
+        then_eval = state["eval_fingerprint"]
+        now_eval = pre.eval_dataset.fingerprint if pre.eval_dataset is not None else None
+        if then_eval != now_eval:
+            echo("the evaluation data differ from the checkpoint's run (" +
+                 ("none then" if then_eval is None else "none now" if now_eval is None else
+                  f"token fingerprint {then_eval} -> {now_eval}") +
+                 f"): eval_loss from step {step + 1} on is not comparable with the rows before it")
     # The schedule and step size may change on resume (not refused: extending a run, a lower lr
     # are legitimate), and each change is said: only job.max_steps was, and optim.warmup_steps=6
     # given at step 3 warmed the lr up again, silently (review). Checkpoints before 2026-12-01
@@ -1119,7 +1140,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
 
     def save(step_done: int) -> None:
         state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
-                 "schedule": schedule_settings(cfg), **job_identity(cfg, ds, pre)}
+                 "schedule": schedule_settings(cfg), **job_identity(cfg, ds, pre),
+                 # (a resume on other evaluation data says so: one eval_loss curve spanned two sets)
+                 "eval_fingerprint": pre.eval_dataset.fingerprint if pre.eval_dataset is not None else None}
         if isinstance(engine, DeepSpeedEngine):
             ckpt.save_checkpoint(ckpt_root, step_done, state,
                                  engine_writer=lambda d: engine.save(d, {"step": step_done}),

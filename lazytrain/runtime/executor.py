@@ -208,6 +208,13 @@ class StreamingExecutor:
         self.grad_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.publish_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.parts: DecoderParts = find_parts(model)
+        if getattr(self.parts.lm, "is_gradient_checkpointing", False):
+            # the plan decides what is recomputed; HF's own checkpointing would recompute again
+            # inside it, and its reentrant form cannot run under the per-layer backward (review:
+            # torch's raw RuntimeError in the first step)
+            self.parts.lm.gradient_checkpointing_disable()
+            warnings.warn("the model had Hugging Face gradient checkpointing on: turned off (the plan decides "
+                          "what is recomputed)", stacklevel=2)
         if plan.job.loss_chunk_tokens:
             check_chunked_loss(self.parts)
         names = self.parts.layer_names()

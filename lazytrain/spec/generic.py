@@ -77,6 +77,76 @@ def _build_meta(cfg: dict):
     return config, model
 
 
+def structure_problem(cfg: dict, chunk_tokens: int = 0) -> str | None:
+    """Why the streaming executor would refuse this model's structure (its forward computes more
+    than embed -> blocks -> final norm -> head: a logit soft-cap or scale, an embedding multiplier,
+    ...), found before any weight is loaded: the executor's own probe (models.adapter.probe_forward)
+    run on the model built from `cfg` with a vocabulary of at most 1024 tokens and random weights
+    outside the blocks (the blocks stay on the meta device: the probe stands in for them). None when
+    it passes, or when the probe cannot run so (the executor probes the loaded model anyway)."""
+    return _structure_cached(json.dumps(cfg, sort_keys=True, default=str), int(chunk_tokens))
+
+
+@functools.lru_cache(maxsize=16)
+def _structure_cached(cfg_json: str, chunk_tokens: int) -> str | None:
+    import logging
+
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models.adapter import ModelStructureError, check_chunked_loss, find_parts, probe_forward
+
+    from transformers import CONFIG_MAPPING
+
+    cfg = json.loads(cfg_json)
+    family = cfg.pop("model_type")
+    try:
+        vocab = _small_vocab(cfg, CONFIG_MAPPING[family]().to_dict())
+        config = AutoConfig.for_model(family, **cfg)
+        # parameters on the meta device, buffers (rotary tables, embedding scales) computed for real
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        parts = find_parts(model)
+        g = torch.Generator().manual_seed(0)
+        for mod in [c for c in parts.base.children() if c is not parts.blocks] + [parts.head]:
+            for sub in mod.modules():
+                for name, p in list(sub.named_parameters(recurse=False)):
+                    if p.is_meta:
+                        real = torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p.dim() == 1 else 0.0)
+                        sub._parameters[name] = torch.nn.Parameter(real, requires_grad=p.requires_grad)
+        if parts.tied:
+            parts.head.weight = parts.embed.weight
+        parts = find_parts(model)
+        if chunk_tokens:
+            check_chunked_loss(parts)
+        if probe_forward(parts, chunk_tokens) is not None:
+            return None   # (skipped: a weight it needs stayed on the meta device)
+    except ModelStructureError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - the probe could not run on this stand-in: the executor's runs
+        logging.getLogger(__name__).debug("plan-time structure probe not run (vocab %d): %s", vocab, e)
+    return None
+
+
+def _small_vocab(cfg: dict, defaults: dict) -> int:
+    """Shrink `cfg` (in place) to a vocabulary of at most 1024 tokens; special token ids past it
+    (`cfg`'s or the family's `defaults`) are dropped (none is drawn by the probe). Returns the size."""
+    key = "vocab_size" if "vocab_size" in cfg else next((k for k in ("n_vocab", "padded_vocab_size") if k in cfg),
+                                                         "vocab_size")
+    vocab = min(int(cfg.get(key) or 1024), 1024)
+    cfg[key] = vocab
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
+        v = cfg.get(k, defaults.get(k))
+        if isinstance(v, list):
+            v = [i for i in v if isinstance(i, int) and i < vocab] or None
+        elif isinstance(v, int) and v >= vocab:
+            v = None
+        if k in cfg or k in defaults:
+            cfg[k] = v
+    return vocab
+
+
 def _materialise_context(parts) -> None:
     """Make real (CPU) what computes the blocks' arguments: the base model's children other than
     the embedding and the blocks (rotary tables, norms); a rotary module's frequencies are
@@ -188,7 +258,11 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                 linears.append(Linear(mname.split(".")[-1], in_f, out_f, lora=isinstance(mod, torch.nn.Linear)))
                 matmul += in_f * out_f
         for pname, p in block.named_parameters():
-            if p.dim() == 3:   # one weight per expert: [experts, out, in] (or [experts, in, out])
+            # one weight per expert: [experts, out, in] (or [experts, in, out]); a convolution's
+            # [channels, 1, kernel] (Mamba, Gated DeltaNet, LFM2) is not (it made 128 "experts"
+            # of a Qwen3-Next linear-attention block and refused Mamba2: review)
+            owner = block.get_submodule(pname.rpartition(".")[0]) if "." in pname else block
+            if p.dim() == 3 and not isinstance(owner, torch.nn.modules.conv._ConvNd):
                 experts.append((pname, p))
         E = k = expert_params = 0
         params = numel(block)

@@ -98,16 +98,22 @@ def test_prompt_completion_learns_only_completions(tmp_path, tok):
     f.write_text("\n".join(json.dumps(r) for r in rows))
     ds = build_dataset([f], tok, seq_len=32, seed=0, prompt_field="prompt", text_field="completion",
                        cache_dir=tmp_path / "cache")
-    # the learn mask against an independent tokenisation of the rows
-    ids, learn = [], []
+    # the learn mask against an independent tokenisation of the rows, packed whole: a row that does
+    # not fit the rest of a sequence starts the next (one longer than a sequence runs on), padded
+    wins = [[]]
     for r in rows:
         p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
         c = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids += p + c
-        learn += [False] * len(p) + [True] * len(c)
-    n = len(ids) // 32
-    want_x = torch.tensor(ids[: n * 32]).view(n, 32)
-    want_y = torch.where(torch.tensor(learn[: n * 32]).view(n, 32), want_x, -100)
+        if wins[-1] and len(wins[-1]) + len(p) + len(c) > 32:
+            wins.append([])
+        for t in [(x, False) for x in p] + [(x, True) for x in c]:
+            if len(wins[-1]) == 32:
+                wins.append([])
+            wins[-1].append(t)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    wins = [w + [(pad, False)] * (32 - len(w)) for w in wins]
+    want_x = torch.tensor([[x for x, _ in w] for w in wins])
+    want_y = torch.where(torch.tensor([[m for _, m in w] for w in wins]), want_x, -100)
     keep = (want_y[:, 1:] != -100).any(dim=1)
     got = {tuple(x.tolist()): tuple(y.tolist()) for x, y in
            ((ds.batch(k, 1).input_ids[0], ds.batch(k, 1).labels[0]) for k in range(len(ds)))}

@@ -1,0 +1,117 @@
+"""Fixes from the session-25 review of the training data: rows packed whole, no second EOS,
+skipped rows counted."""
+
+import json
+import logging
+
+import torch
+
+from lazytrain.data.dataset import PackedDataset, bos_for, build_dataset, tokenize_files, tokenize_pairs
+from test_dataset import tok  # noqa: F401 - the small tokenizer fixture test_dataset.py builds
+
+WORDS = "the iterable yields each value of the list in order until the loop ends".split()
+
+
+def _sft(path, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        k, m = (int(x) for x in torch.randint(2, 12, (2,), generator=g))
+        rows.append({"prompt": f"question {i}: " + " ".join(WORDS[:k]), "completion": " " + " ".join(WORDS[-m:])})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _rows(path, tok):
+    lens: list[int] = []
+    ids, learn = tokenize_pairs([path], tok, "prompt", "completion", bos=bos_for(tok), row_lengths=lens)
+    out, at = [], 0
+    for n in lens:
+        out.append((ids[at:at + n].tolist(), learn[at:at + n].tolist()))
+        at += n
+    return out
+
+
+def test_each_sequence_is_whole_rows_then_padding(tmp_path, tok):
+    """Rows were cut at fixed window edges: a completion crossing one was trained in the next
+    window without its prompt (review: 14.5% of learned targets at seq_len 512, 93.7% at 48)."""
+    f = _sft(tmp_path / "sft.jsonl")
+    rows = _rows(f, tok)
+    seq = 128
+    assert max(len(ids) for ids, _ in rows) <= seq < sum(len(ids) for ids, _ in rows) // 4
+    ds = build_dataset([f], tok, seq_len=seq, prompt_field="prompt", text_field="completion")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    r = 0
+    for x, m in zip(ds.sequences.tolist(), ds.learn.tolist()):   # (stored in stream order)
+        at = 0
+        while r < len(rows) and at + len(rows[r][0]) <= seq:
+            ids, learn = rows[r]
+            assert x[at:at + len(ids)] == ids and m[at:at + len(ids)] == learn, (r, x)
+            at, r = at + len(ids), r + 1
+        assert at > 0 and x[at:] == [pad] * (seq - at) and not any(m[at:]), x
+    assert r == len(rows)   # every row, once
+    b = ds.batch(0, len(ds))   # (padding is not learned)
+    assert ((b.labels == -100) | (b.input_ids != pad) | (pad == tok.eos_token_id)).all()
+
+
+def test_a_row_longer_than_the_sequence_starts_one_and_runs_on(tmp_path, tok, caplog):
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps({"prompt": "a question", "completion": " " + " ".join(WORDS * 6)}) + "\n" +
+                 json.dumps({"prompt": "q", "completion": " end"}) + "\n" +
+                 json.dumps({"prompt": "q", "completion": " yes"}) + "\n")
+    rows = _rows(f, tok)
+    seq = 17
+    rem = len(rows[0][0]) % seq
+    assert len(rows[0][0]) > 3 * seq and 0 < rem and rem + len(rows[1][0]) + len(rows[2][0]) <= seq
+    with caplog.at_level(logging.WARNING, logger="lazytrain.data.dataset"):
+        ds = build_dataset([f], tok, seq_len=seq, prompt_field="prompt", text_field="completion")
+    later = sum(rows[0][1][seq:])
+    assert f"1 of 3 rows are longer than job.seq_len={seq}: each runs on into the next sequences, whose " \
+           f"{later} learned tokens" in caplog.text, caplog.text
+    # row 0 from a window's start through the next ones; rows 1 and 2 fill its last window after it
+    both = rows[0][0] + rows[1][0] + rows[2][0]
+    assert ds.sequences.flatten().tolist()[:len(both)] == both and len(ds) == -(-len(rows[0][0]) // seq)
+    assert int(ds.learn.sum()) == sum(sum(m) for _, m in rows)   # no learned token lost
+
+
+def test_rows_survive_the_token_cache(tmp_path, tok):
+    f = _sft(tmp_path / "sft.jsonl", n=25, seed=3)
+    a = build_dataset([f], tok, seq_len=40, prompt_field="prompt", text_field="completion", cache_dir=tmp_path / "c")
+    b = build_dataset([f], tok, seq_len=40, prompt_field="prompt", text_field="completion", cache_dir=tmp_path / "c")
+    assert len(list((tmp_path / "c").glob("tokens-*.safetensors"))) == 1
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.learn, b.learn)
+    assert a.fingerprint == b.fingerprint
+
+
+def test_row_lengths_must_add_up():
+    import pytest
+
+    from lazytrain.data.dataset import DataError
+
+    with pytest.raises(DataError, match="row lengths do not add up"):
+        PackedDataset(torch.arange(10), 4, learn=torch.ones(10, dtype=torch.bool), rows=torch.tensor([3, 3]))
+
+
+def test_text_or_completion_ending_with_eos_gets_no_second_one(tmp_path, tok):
+    """TRL adds EOS only where the completion does not end with it; a second one taught the model
+    to predict EOS after EOS (review)."""
+    eos = tok.eos_token
+    f = tmp_path / "a.txt"
+    f.write_text("the loop ends." + eos)
+    ids = tokenize_files([f], tok).tolist()
+    assert ids.count(tok.eos_token_id) == 1 and ids[-1] == tok.eos_token_id
+    f.write_text("the loop ends.")
+    assert tokenize_files([f], tok).tolist() == ids
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "q", "completion": " the loop." + eos}) + "\n")
+    ids, learn = tokenize_pairs([p], tok, "prompt", "completion")
+    assert ids.tolist().count(tok.eos_token_id) == 1 and ids[-1] == tok.eos_token_id and learn[-1]
+
+
+def test_empty_completions_are_counted(tmp_path, tok, caplog):
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"q{i}", "completion": c})
+                           for i, c in enumerate([" yes", "", "  ", None, " no"])) + "\n")
+    with caplog.at_level(logging.WARNING, logger="lazytrain.data.dataset"):
+        tokenize_pairs([p], tok, "prompt", "completion")
+    assert "skipped 3 prompt/completion row(s) whose completion is empty" in caplog.text, caplog.text

@@ -1,0 +1,99 @@
+"""Fixes from the session-25 reviews of `lazytrain train` and `lazytrain plan`."""
+
+import pytest
+
+from lazytrain.cli import train as cli
+from lazytrain.cli.main import main as cli_main
+
+# A Cohere2 model: its forward scales the logits (logit_scale) after the head, which the streaming
+# executor's embed -> blocks -> norm -> head would not
+COHERE2 = ["model.hf_config.model_type=cohere2", "model.name=tiny-cohere2"]
+
+
+def test_plan_refuses_a_model_the_executor_cannot_run_exactly(base_overrides, tmp_path, capsys):
+    """`lazytrain plan` planned it (exit 0) on the meta device, where the executor's probe cannot
+    run; `train` then died with a traceback after loading and planning (review)."""
+    plan_args = [o for o in base_overrides if o.startswith(("model", "planner", "job.seq_len"))]
+    rc = cli_main(["plan", *plan_args, *COHERE2, "hardware.device_memory_gib=0.02"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the streaming executor cannot train this model exactly: Cohere2ForCausalLM" in err, err
+    assert "logit_scale" in err and "Traceback" not in err
+    # where the config value disables it, it plans
+    assert cli_main(["plan", *plan_args, *COHERE2, "+model.hf_config.logit_scale=1.0",
+                     "hardware.device_memory_gib=1"]) == 0, capsys.readouterr().err
+
+
+def test_train_refuses_it_in_one_line_before_writing_and_engine_torch_trains_it(base_overrides, tmp_path, capsys):
+    out = tmp_path / "r"
+    rc = cli.main([*base_overrides, *COHERE2, "engine=lazytrain", f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot train this model exactly" in err and "engine=torch" in err, err
+    assert "Traceback" not in err and not out.exists()
+    assert cli.main([*base_overrides, *COHERE2, "job.max_steps=2", f"output_dir={tmp_path / 't'}"]) == 0
+
+
+def test_the_executors_own_refusal_is_one_line_too(base_overrides, tmp_path, capsys, monkeypatch):
+    """Where the plan-time probe cannot run (it passes the model), the executor's refusal, once
+    the model is loaded, is one line as well (a ModelStructureError traceback before)."""
+    import lazytrain.spec.generic as generic
+
+    monkeypatch.setattr(generic, "structure_problem", lambda cfg, chunk_tokens=0: None)
+    rc = cli.main([*base_overrides, *COHERE2, "engine=lazytrain", f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "engine=lazytrain cannot train this model exactly: Cohere2ForCausalLM" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("family,extra,refused", [
+    ("gemma2", {}, "after the last block"),                               # final_logit_softcapping
+    ("granite", {"embedding_multiplier": 12.0}, "before block 0"),
+    ("granite", {"embedding_multiplier": 1.0, "logits_scaling": 1.0}, None),
+    ("gemma3_text", {}, None),                                            # its scale is in the embedding
+    ("llama", {"vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": [128001, 128009]}, None),
+])
+def test_structure_problem_on_configs(family, extra, refused):
+    from transformers import AutoConfig
+
+    from lazytrain.spec.generic import structure_problem
+
+    cfg = AutoConfig.for_model(family, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra).to_dict()
+    cfg = {k: v for k, v in cfg.items() if k not in ("transformers_version", "architectures")}
+    why = structure_problem(cfg)
+    assert (why is None) if refused is None else (refused in (why or "")), why
+
+
+def test_eval_settings_without_eval_data_are_refused(base_overrides, tmp_path, capsys):
+    """eval_every=2 eval_batches=3 without data.eval_files / eval_fraction: exit 0, no evaluation,
+    no word (review)."""
+    out = tmp_path / "r"
+    rc = cli.main([*base_overrides, "eval_every=2", "eval_batches=3", f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "eval_every=2 and eval_batches=3 evaluate on data.eval_files or data.eval_fraction" in err, err
+    assert not out.exists()
+
+
+def test_a_resume_on_other_evaluation_data_says_so(base_overrides, text_data, tmp_path, capsys):
+    """A changed data.eval_files resumed silently: one eval_loss curve over two sets (review)."""
+    import shutil
+
+    f, _ = text_data
+    ev = tmp_path / "eval.txt"
+    ev.write_text(f.read_text()[:4000])
+    out = tmp_path / "r"
+    common = [*base_overrides, f"data.eval_files=[{ev}]", "eval_every=2", f"output_dir={out}"]
+    assert cli.main([*common, "stop_at_step=2"]) == 0
+    capsys.readouterr()
+    shutil.copy(ev, tmp_path / "old.txt")
+    ev.write_text(f.read_text()[4000:9000])
+    assert cli.main([*common, "resume=true"]) == 0
+    said = "".join(capsys.readouterr())
+    assert "the evaluation data differ from the checkpoint's run (token fingerprint" in said, said
+    assert "eval_loss from step 3 on is not comparable" in said
+    # the same data again: nothing said
+    out2 = tmp_path / "r2"
+    common2 = [c if not c.startswith("output_dir=") else f"output_dir={out2}" for c in common]
+    assert cli.main([*common2, "stop_at_step=2"]) == 0
+    capsys.readouterr()
+    assert cli.main([*common2, "resume=true"]) == 0
+    assert "evaluation data differ" not in "".join(capsys.readouterr())

@@ -1,0 +1,47 @@
+"""Fixes from the session-25 planner review: measured specs count convolutions as convolutions,
+and the plan cache's key follows the libraries a measured spec is built with."""
+
+import pytest
+
+from lazytrain.spec import ModelSpec
+
+QWEN3_NEXT = dict(model_type="qwen3_next", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16,
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+
+
+def test_a_convolution_weight_is_not_an_expert_stack():
+    """Qwen3-Next's linear-attention blocks hold a Conv1d [128, 1, 4]: taken as 128 experts of 196
+    parameters (expert count, active parameters and FLOPs wrong in 3 of 4 blocks: review)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ModelSpec.from_hf_config(QWEN3_NEXT)
+    kw = {k: v for k, v in QWEN3_NEXT.items() if k != "model_type"}
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **kw))
+    for b, blk in zip(spec.blocks, m.model.layers):
+        experts = sum(p.numel() for n, p in blk.named_parameters() if "mlp.experts" in n)
+        total = sum(p.numel() for p in blk.parameters())
+        assert b.num_experts == 4 and b.expert_param_count == experts // 4, b
+        assert b.active_param_count == total - experts + 2 * (experts // 4)
+
+
+def test_mamba2_is_measured_not_refused_for_experts():
+    mamba = {"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32,
+             "vocab_size": 256, "num_attention_heads": 4, "state_size": 16, "n_groups": 1, "expand": 2,
+             "conv_kernel": 4}
+    spec = ModelSpec.from_hf_config(mamba)
+    assert all(b.num_experts == 0 for b in spec.blocks)
+
+
+@pytest.mark.parametrize("pkg", ["torch", "transformers"])
+def test_the_plan_cache_key_holds_the_libraries_measured_specs_are_built_with(pkg):
+    from importlib import metadata
+
+    from lazytrain.plan.solve import versions
+
+    assert versions()[pkg] == metadata.version(pkg)
