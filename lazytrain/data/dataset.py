@@ -482,6 +482,14 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str,
             mask = [False] * len(row)
             for i in turns:
                 before, through = render(i, True), render(i + 1, False)
+                if not full.startswith(before):
+                    # a generation prompt that a rendered turn does not repeat (DeepSeek-R1's opens
+                    # "<think>\n", its past turns render "<｜Assistant｜>" + content: every row was
+                    # refused, review): the turn starts where the two part, after the messages before it
+                    plain = render(i, False)
+                    common = _common_prefix(before, full)
+                    if full.startswith(plain) and through.startswith(plain) and common >= len(plain):
+                        before = full[:common]
                 content = msgs[i].get("content") or ""
                 # The turn ends where its rendering stops agreeing with the whole conversation's (a
                 # template may close a conversation after its last message, as Phi-3 adds EOS,
@@ -498,8 +506,9 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str,
                     raise DataError(
                         f"{path}{where}: the chat template renders message {i} (assistant) differently "
                         f"once later messages follow it (templates that drop earlier turns' reasoning "
-                        f"do this), so its tokens cannot be marked; put one assistant turn per row, or "
-                        f"set data.chat_template=FILE to a template that renders earlier turns unchanged")
+                        f"do this) or than its generation prompt begins it, so its tokens cannot be "
+                        f"marked; put one assistant turn per row, or set data.chat_template=FILE to a "
+                        f"template that renders earlier turns unchanged")
                 a, c, t = enc(before), enc(full[:at + len(shown)]), enc(through)
                 if row[:len(a)] != a or row[:len(c)] != c or t[:len(c)] != c:
                     raise DataError(

@@ -115,3 +115,42 @@ def test_empty_completions_are_counted(tmp_path, tok, caplog):
     with caplog.at_level(logging.WARNING, logger="lazytrain.data.dataset"):
         tokenize_pairs([p], tok, "prompt", "completion")
     assert "skipped 3 prompt/completion row(s) whose completion is empty" in caplog.text, caplog.text
+
+
+# DeepSeek-R1's template (tool branches left out): the generation prompt opens "<think>\n", a past
+# assistant turn renders "<｜Assistant｜>" + its content after any reasoning
+R1 = ("{% set ns = namespace(system_prompt='') %}"
+      "{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] %}"
+      "{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}"
+      "{%- if message['role'] == 'user' %}{{'<｜User｜>' + message['content']}}{%- endif %}"
+      "{%- if message['role'] == 'assistant' and message['content'] is not none %}{% set content = message['content'] %}"
+      "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+      "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor -%}"
+      "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+
+
+def test_a_deepseek_r1_template_marks_the_answer(tmp_path, tok):
+    """Every row was refused, one-turn rows too, with advice about later messages (review)."""
+    import copy
+
+    from lazytrain.data.dataset import tokenize_chats
+
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                          "additional_special_tokens": ["<｜User｜>", "<｜Assistant｜>"]})
+    t.chat_template = R1
+    f = tmp_path / "r1.jsonl"
+    conv = [{"role": "user", "content": "How often?"},
+            {"role": "assistant", "content": "<think>\nonce per item\n</think>\n\nOnce per item."},
+            {"role": "user", "content": "And the loop?"}, {"role": "assistant", "content": "Until it ends."}]
+    f.write_text(json.dumps({"messages": conv}) + "\n")
+    ids, learn = tokenize_chats([f], t, "messages")
+    spans, run = [], []
+    for x, m in zip(ids.tolist(), learn.tolist()):
+        if m:
+            run.append(x)
+        elif run:
+            spans.append(t.decode(run))
+            run = []
+    spans += [t.decode(run)] if run else []
+    assert spans == ["\n\nOnce per item.<｜end▁of▁sentence｜>", "Until it ends.<｜end▁of▁sentence｜>"], spans
