@@ -126,7 +126,9 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
                presolve: bool = True, free_resolve_s: float = FREE_RESOLVE_S) -> MilpResult:
     """Solve (or, with everything pinned, evaluate) one job. `minimize="device_peak"` finds the
     smallest device memory any plan needs (capacity unconstrained unless `device_capacity_bytes` is
-    given: then any plan under it, the question `solve.fits` asks) for infeasibility reports.
+    given: then any plan under it, the question `solve.fits` asks) for infeasibility reports;
+    "host_peak" / "nvme_peak" the least host memory / NVMe any plan needs within the other tiers'
+    capacities (the advice for a job the host or drive cannot hold).
 
     The symmetry-breaking rows (below) make large models solve in seconds but can exclude the
     fastest plan; for `minimize="time"` the solution is then re-solved without them, warm-started
@@ -335,8 +337,11 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     Npk = pulp.LpVariable("nvme_peak", lowBound=0)
     prob += Hpk == host, "host_peak_def"
     prob += Npk == nvme, "nvme_peak_def"
-    prob += Hpk <= costs.host_capacity_bytes / GiB, "host_capacity"
-    prob += Npk <= costs.nvme_capacity_bytes / GiB, "nvme_capacity"
+    # (minimize="host_peak" / "nvme_peak": that tier's least need, its capacity row dropped)
+    if minimize != "host_peak":
+        prob += Hpk <= costs.host_capacity_bytes / GiB, "host_capacity"
+    if minimize != "nvme_peak":
+        prob += Npk <= costs.nvme_capacity_bytes / GiB, "nvme_capacity"
 
     # ---- windows --------------------------------------------------------------------------
     def loads(final: bool, after_held: bool) -> list[dict[str, object]]:
@@ -442,7 +447,9 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     peaks = (P / max(cap / GiB, 1e-3) + 0.1 * Hpk / max(costs.host_capacity_bytes / GiB, 1.0)
              + 0.01 * Npk / max(costs.nvme_capacity_bytes / GiB, 1.0)
              + 0.01 * (Bmax + Bnvme + Smax) / max(cap / GiB, 1e-3))
-    if minimize == "device_peak":
+    if minimize in ("host_peak", "nvme_peak"):
+        prob += Hpk if minimize == "host_peak" else Npk
+    elif minimize == "device_peak":
         # P alone: a step-time tie-breaker (1e-4 * step / compute time) outweighed peak differences
         # of 0.1 MB and more on transfer-bound jobs, whose step is many times their compute, so the
         # minimum came out up to 2.3% high (review). Only this plan's peak is used.

@@ -409,6 +409,25 @@ def min_device_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: 
                for a in found if a is not None)
 
 
+def min_tier_bytes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
+                   method: str, tier: str) -> int | None:
+    """Least host memory (`tier="host"`) or NVMe ("nvme") any plan of this method needs within the
+    device's and the other tier's capacities (the MILP with that tier's capacity row dropped and
+    its peak minimised); None where no plan fits those, TIMED_OUT where the solve ran out of time
+    (at most SUGGESTION_TIME_LIMIT_S). What the advice for a job the host or the drive cannot hold
+    is sized from: the few hand-built layouts it was sized from before put everything on one tier,
+    asking a 64 GiB host with 60 GiB of NVMe for 135 GiB where 70 plans (review)."""
+    costs = job_costs(model, hw, job)
+    pins = pins_for(method, model.num_layers, job, options)
+    quick = replace(options, time_limit_s=min(options.time_limit_s, SUGGESTION_TIME_LIMIT_S))
+    r = _solve(costs, hw, quick, pins, minimize=f"{tier}_peak")
+    if r.status == "timeout":
+        return TIMED_OUT
+    if r.status == "infeasible" or r.assignment is None:
+        return None
+    return memory_peaks(costs, r.assignment, options.prefetch_depth)[0][tier]
+
+
 def fits(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerOptions,
          method: str = "milp") -> bool | None:
     """Whether some plan fits the device budget: the model plan_job solves, with its device
@@ -595,6 +614,14 @@ def _off_device_advice(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options
     else:
         more = (f"add {short} (with {' '.join(needs)} alone it still does not plan: the device needs "
                 f"more memory too)")
+    if "nvme_capacity_gib" not in more_hw and options.allow_nvme and "host_memory_gib" in more_hw:
+        # or more NVMe with this host: the least any plan then needs (review: only host memory was
+        # said where a larger drive plans the job with the host there is)
+        drive = min_tier_bytes(model, hw, job, options, method, "nvme")
+        if drive is not None and drive != TIMED_OUT and drive > costs.nvme_capacity_bytes:
+            alt = replace(hw, nvme_capacity_gib=_up(drive))
+            if _planned(model, alt, job, options, method) is not None:
+                more += f", or add NVMe instead (hardware.nvme_capacity_gib={alt.nvme_capacity_gib:.2f})"
     if "nvme_capacity_gib" in more_hw and options.allow_nvme:
         # or no NVMe at all: the host-only layouts' floor, where more host memory plans it
         # (review: with NVMe capacity 0 only NVMe was suggested)
@@ -639,7 +666,9 @@ def _other_device_fixes(model: ModelSpec, hw: HardwareSpec, job: JobSpec, option
                              f"{_host_grown(hw, dev_gib, dev_txt)}: the host grows with a CPU device's memory)")
             out.append(f"job.loss_chunk_tokens={CHUNK_SUGGESTED} (the loss over chunks of tokens, never all "
                        f"logits at once) {then}")
-    host, _ = _least_host_and_nvme(model, hw, job, options, method)
+    host = min_tier_bytes(model, hw, job, options, method, "host")
+    if host is None or host == TIMED_OUT:
+        host, _ = _least_host_and_nvme(model, hw, job, options, method)
     if host > hw.host_capacity_bytes:
         extra = int(hw.host_reserve_gib * GiB) + (hw.device_memory_bytes if hw.device_type == "cpu" else 0)
         more = replace(hw, host_memory_gib=_up(host + extra))
@@ -751,6 +780,12 @@ def _explain(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerO
                 f"what would fit"], True
     if need is None:
         host, nvme = _least_host_and_nvme(model, hw, job, options, method)
+        # the least host any plan needs with the NVMe there is and this device (the MILP), where
+        # one plans so; the layouts' floor only where none does (then the drive is short too)
+        floor = min_tier_bytes(model, hw, job, options, method, "host")
+        solved = floor is not None and floor != TIMED_OUT
+        if solved:
+            host, nvme = floor, 0
         # what the planner gives the host: less the reserve and, for a CPU device, its budget
         cap = hw.host_capacity_bytes
         usable = f"{_gib(cap)} usable" + (f" after the CPU device's {_budget(hw)}"
@@ -758,9 +793,11 @@ def _explain(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerO
         if host > cap:
             where = ("with NVMe off (planner.allow_nvme=false)" if not options.allow_nvme else
                      "with no NVMe capacity" if hw.nvme_capacity_bytes <= 0 else
+                     f"with the {_gib(hw.nvme_capacity_bytes)} of NVMe there is" if solved else
                      "even with everything that may live on NVMe there")
-            why = (f"the host needs about {_gib(host, up=True)} {where} (the least of the layouts checked; "
-                   f"it has {usable})")
+            why = (f"the host needs about {_gib(host, up=True)} {where} ("
+                   + ("the least any plan needs" if solved else "the least of the layouts checked")
+                   + f"; it has {usable})")
         else:
             why = (f"host ({usable}) and NVMe ({_gib(hw.nvme_capacity_bytes)}) hold less than the "
                    f"layout that needs the least host memory: ~{_gib(host)} there and {_gib(nvme)} on NVMe")

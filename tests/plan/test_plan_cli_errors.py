@@ -164,7 +164,7 @@ def test_off_device_infeasibility_names_what_is_short(small):
     tiny_host = replace(h, host_memory_gib=h.host_reserve_gib + 0.0001, nvme_capacity_gib=100.0)
     plan = plan_job(model, tiny_host, job, cache_dir=None)
     text = " ".join(plan.explanation)
-    m = re.search(r"the host needs about ([0-9.]+) (MiB|GiB) even with everything that may live on NVMe", text)
+    m = re.search(r"the host needs about ([0-9.]+) (MiB|GiB) with the 100.00 GiB of NVMe there is", text)
     assert not plan.fits and m, text
     floor = float(m.group(1)) * (2**20 if m.group(2) == "MiB" else GiB)
     enough = replace(tiny_host, host_memory_gib=h.host_reserve_gib + floor * 1.02 / GiB)
