@@ -37,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"lazytrain: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[cmd][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[cmd][0])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C while torch and the command load (the first second or two), before any command's
+        # own handling: a traceback from torch/__init__.py before (review)
+        print(f"lazytrain {cmd}: interrupted while starting; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

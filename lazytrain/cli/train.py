@@ -116,11 +116,11 @@ class _Stop(BaseException):
     """Ends the Hydra app after a Ctrl-C was reported (a BaseException: Hydra passes it on)."""
 
 
-def _interrupted(msg: str) -> int:
+def _interrupted(msg: str, code: int = 130) -> int:
     """Ctrl-C: one line (where it stopped, how to continue), not a traceback; 130 as a shell
-    reports a process ended by SIGINT."""
+    reports a process ended by SIGINT (143: SIGTERM)."""
     _error(msg)
-    return 130
+    return code
 
 
 RESUME_NEEDS_OUTPUT_DIR = ("resume=true needs output_dir=DIR, the run to continue: without it the run "
@@ -391,7 +391,7 @@ def _hydra_main(argv: list[str], cfg_dir: str, pre, record: _RunRecord | None = 
             status["rc"] = _error(str(e))
             return None
         except TrainingInterrupted as e:   # Ctrl-C: the checkpoints written stay; says how to go on
-            status["rc"] = _interrupted(str(e))
+            status["rc"] = _interrupted(str(e), e.exit_code)
             raise _Stop() from None   # past Hydra (a sweep's later jobs do not start either)
         except DiskIOError as e:  # names the file and the operation; checkpoints are atomic
             _error(f"disk error: {e}")

@@ -16,6 +16,11 @@ from ..spec import HardwareSpec, JobSpec, ModelSpec
 # updated, one read ahead, one being written back. The executor's pool and the planner's host
 # bytes both use it.
 NVME_STATE_SETS = 3
+# Host staging for activations written to NVMe: the layers whose writes may be in flight at once
+# (the one saving and the one before it); the executor waits for older layers' writes before it
+# stages more (runtime/activations.py), and the planner's host bytes count as many of the largest
+# NVMe-tier item. Unbounded and uncounted before: a review saw 45-110% over the planned host peak.
+NVME_ACT_STAGING_LAYERS = 2
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from ..costmodel import NVME_STATE_SETS, JobCosts
+from ..costmodel import NVME_ACT_STAGING_LAYERS, NVME_STATE_SETS, JobCosts
 from ..spec import GiB, HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment, Segment
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, first_block_held, fwd_window,
@@ -319,6 +319,12 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
             + pulp.lpSum(kept[(s, e, m)] / GiB * v for (s, e, m, t), v in x.items() if t == "host"))
     nvme = (pulp.lpSum(c.param_store_bytes / GiB * pv(j, "nvme") for j, c in enumerate(layers))
             + pulp.lpSum(kept[(s, e, m)] / GiB * v for (s, e, m, t), v in x.items() if t == "nvme"))
+    act_nvme = [(k, v) for k, v in x.items() if k[3] == "nvme"]
+    if act_nvme:   # activations on their way to NVMe: the largest item's, NVME_ACT_STAGING_LAYERS times
+        Astage = pulp.LpVariable("nvme_act_staging", lowBound=0)
+        for (s, e, m, t), v in act_nvme:
+            prob += Astage >= kept[(s, e, m)] / GiB * v, f"astage_{s}_{e}_{m[0]}"
+        host += NVME_ACT_STAGING_LAYERS * Astage
     if full:
         host += pulp.lpSum(c.optimizer_bytes / GiB * o[j, "host"] for j, c in enumerate(layers) if (j, "host") in o)
         nvme += pulp.lpSum(c.optimizer_bytes / GiB * o[j, "nvme"] for j, c in enumerate(layers) if (j, "nvme") in o)

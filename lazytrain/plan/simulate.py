@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..costmodel import NVME_STATE_SETS, JobCosts
+from ..costmodel import NVME_ACT_STAGING_LAYERS, NVME_STATE_SETS, JobCosts
 from ..spec import HardwareSpec
 from .assignment import RECOMPUTE, STORE, Assignment
 from .ops import (BWD, FWD, HEAD, after, bwd_window, ends_long_segment, fetched_early, first_block_held,
@@ -197,7 +197,10 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
 
     host = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "host")
             + depth * max(from_nvme, default=0) + costs.host_static_bytes
-            + sum(s.kept_bytes(costs) for s in a.segments if s.tier == "host"))
+            + sum(s.kept_bytes(costs) for s in a.segments if s.tier == "host")
+            # activations on their way to NVMe (host staging, NVME_ACT_STAGING_LAYERS layers' at most)
+            + NVME_ACT_STAGING_LAYERS * max((s.kept_bytes(costs) for s in a.segments if s.tier == "nvme"),
+                                            default=0))
     nvme = (sum(c.param_store_bytes for c, t in zip(layers, a.param_tier) if t == "nvme")
             + sum(s.kept_bytes(costs) for s in a.segments if s.tier == "nvme"))
     if costs.trains_base:

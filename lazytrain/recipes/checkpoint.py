@@ -193,9 +193,13 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
     main = rank == 0
     sync = barrier if (barrier is not None and world > 1) else (lambda: None)
     sums: dict[str, dict[str, int]] = {}   # (rank 0's) size and crc32 of every file resume reads
+    # the file being written, named by a write error (safetensors' and a failed fsync's carry no
+    # file name: a full disk was reported at the temp dir; review)
+    writing: list[Path] = []
 
     def save(tensors: Mapping[str, torch.Tensor], name: str) -> None:
         contiguous = _contiguous(tensors)
+        writing[:] = [tmp / name]
         save_file(contiguous, str(tmp / name))
         if main:   # the tensors' bytes hashed from memory: a large file is not read back from disk
             sums[name] = written_digest(tmp / name, contiguous)
@@ -216,6 +220,7 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
             for k, shard in enumerate(engine_tensors):
                 save(shard, f"engine-{k:05d}.safetensors")
         if engine_writer is not None:
+            writing[:] = [tmp / "engine"]
             engine_writer(tmp / "engine")
         rng_t, rng_js = rng_state()
         if main:
@@ -230,8 +235,10 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
                     sums[f.name] = file_digest(f)
             full = {**state, "step": step, "rng": rng_js, "world_size": world, FILE_SUMS: sums}
             full[STATE_SUM] = _state_crc(full)
+            writing[:] = [tmp / "state.json"]
             (tmp / "state.json").write_text(json.dumps(full, indent=1))
             share_like_umask(tmp)   # safetensors writes its files 0600 (see storage/filemode.py)
+            writing[:] = [tmp]
             fsync_tree(tmp)
             if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
                 shutil.rmtree(final)
@@ -244,7 +251,7 @@ def save_checkpoint(ckpt_root: Path, step: int, state: Mapping[str, Any],
         if isinstance(e, DiskIOError):
             raise
         errno, why = DiskIOError.reason(e)
-        where = f"{e.filename}" if isinstance(e, OSError) and e.filename else f"{tmp}"
+        where = f"{e.filename}" if isinstance(e, OSError) and e.filename else f"{writing[0] if writing else tmp}"
         raise DiskIOError(errno, f"write checkpoint {where} ({why}); {earlier_checkpoints(ckpt_root, final)}") from e
     except BaseException:
         if main:

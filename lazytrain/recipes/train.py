@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import shutil
 import statistics
 import time
@@ -785,10 +786,18 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
         raise ConfigError(f"cannot resume from {last}: {e.strerror or type(e).__name__}"
                           f"{f' ({e.filename})' if e.filename else ''}; the checkpoint is incomplete: "
                           f"remove it to resume from the one before, or use a new output_dir") from None
-    except (KeyError, ValueError, RuntimeError) as e:
+    except (KeyError, ValueError, RuntimeError, AssertionError, EOFError, pickle.UnpicklingError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(engine, DeepSpeedEngine) and (not isinstance(e, (KeyError, ValueError, RuntimeError))
+                                                    or "PytorchStreamReader" in why or "zip archive" in why):
+            # DeepSpeed's own files, damaged (a truncated optimizer shard: "does not fit this run", use
+            # the settings...; `latest` naming a missing tag: its AssertionError traceback; review)
+            raise ConfigError(f"cannot resume from {last}: DeepSpeed's checkpoint in it is damaged or "
+                              f"incomplete ({type(e).__name__}{': ' + why[:160] if why != type(e).__name__ else ''}); "
+                              f"remove {last} to resume from "
+                              f"the one before, or use a new output_dir") from None
         raise ConfigError(f"cannot resume from {last}: its engine state does not fit this run "
-                          f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
-                          f"use the settings it was written with or a new output_dir") from None
+                          f"({why}); use the settings it was written with or a new output_dir") from None
     echo(f"resumed from {last} (step {state['step']}, data position {state['data_position']})")
     step, was = int(state["step"]), state.get("max_steps")
     if "eval_fingerprint" in state:   # (checkpoints before 2026-12-02 do not record it)
@@ -897,7 +906,12 @@ def _fmt_bytes(n: float | None) -> str:
 
 class TrainingInterrupted(Exception):
     """Ctrl-C (KeyboardInterrupt) in `run`: one line saying where it stopped, the checkpoint a
-    resume continues from and how to continue (the CLI prints it and exits 130)."""
+    resume continues from and how to continue (the CLI prints it and exits `exit_code`: 130, or
+    143 for a SIGTERM)."""
+
+    def __init__(self, msg: str, exit_code: int = 130) -> None:
+        super().__init__(msg)
+        self.exit_code = exit_code
 
 
 def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
@@ -905,13 +919,17 @@ def run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None = None,
     """Train as configured; returns the run summary (also written to output_dir/summary.json)."""
     at: dict[str, Any] = {}   # how far the run got, for the message if it is interrupted
     restore = _note_sigint(at)
+    restore_term = _note_sigterm(at)
     try:
         return _run(cfg, output_dir, pre, echo, at)
     except KeyboardInterrupt:
         # Nothing to undo: the engine is closed on the way out, a checkpoint cut short is removed
         # (the ones before stay whole), metrics and trace rows are flushed as they are written.
-        raise TrainingInterrupted(interrupted_message(Path(output_dir).expanduser(), at)) from None
+        term = at.get("sigterm")
+        raise TrainingInterrupted(interrupted_message(Path(output_dir).expanduser(), at),
+                                  143 if term else 130) from None
     finally:
+        restore_term()
         restore()
         if (fd := at.pop("lock_fd", None)) is not None:
             os.close(fd)   # (releases the output_dir's lock)
@@ -956,6 +974,30 @@ def _note_sigint(at: dict[str, Any]):
     return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _note_sigterm(at: dict[str, Any]):
+    """SIGTERM (a scheduler's preemption: Slurm, Kubernetes, `timeout`) during the training loop
+    lets the running step finish, writes a checkpoint of it and stops (`at["sigterm"]`, checked
+    after each step), so a preempted run loses no step; outside the loop, or a second SIGTERM, it
+    stops as Ctrl-C does. It killed the run with no word before, losing up to save_every steps
+    (review). One process only: a multi-process launch's ranks must all checkpoint together."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL \
+            or int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        return lambda: None
+
+    def on_sigterm(signum, frame):
+        first = not at.get("sigterm")
+        at["sigterm"] = True
+        if not (first and at.get("in_loop")):
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 RUN_LOCK = ".lazytrain-run.lock"
 
 
@@ -984,11 +1026,12 @@ def interrupted_message(out: Path, at: dict[str, Any]) -> str:
     else:
         where = f"at step {at['step'] + 1} of {at['max_steps']}"
     last = ckpt.latest_checkpoint(out / "checkpoints")
+    how = "stopped by SIGTERM" if at.get("sigterm") else "interrupted"
     if last is None:
-        return (f"interrupted {where}; no checkpoint was written yet: resume=true {_dir_override(out)} "
+        return (f"{how} {where}; no checkpoint was written yet: resume=true {_dir_override(out)} "
                 f"starts again from step 0")
     n = last.name[len("step_"):].lstrip("0") or "0"
-    return (f"interrupted {where}; the last checkpoint is step {n}: continue with resume=true "
+    return (f"{how} {where}; the last checkpoint is step {n}: continue with resume=true "
             f"{_dir_override(out)}")
 
 
@@ -1153,6 +1196,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             ckpt.save_checkpoint(ckpt_root, step_done, state, engine_tensors=tensors,
                                  keep_last=int(cfg.keep_checkpoints))
 
+    at["in_loop"] = True   # (a SIGTERM now ends the step and checkpoints it: _note_sigterm)
     try:
         while step < min(max_steps, stop_at):
             lr = lr_at(step, float(o.lr), int(o.warmup_steps), max_steps, float(o.min_lr_ratio))
@@ -1194,17 +1238,18 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                 bar.set_postfix_str(f"loss {st.loss:.3f}{ev}  {tps:,.0f} tok/s  "
                                     f"mem {_fmt_bytes(st.device_peak_bytes)}", refresh=False)
             bar.update(1)
-            if (save_every and step % save_every == 0) or step in (max_steps, stop_at):
+            if (save_every and step % save_every == 0) or step in (max_steps, stop_at) or at.get("sigterm"):
                 at["saving"] = "checkpoint"
-                save(step)
+                save(step)   # (a SIGTERM's: this step kept, see _note_sigterm)
                 del at["saving"]
-            if at.get("sigint"):   # a Ctrl-C that Python dropped (see _note_sigint)
+            if at.get("sigint") or at.get("sigterm"):   # a Ctrl-C that Python dropped (see _note_sigint)
                 at["between_steps"] = True
                 raise KeyboardInterrupt
     except BaseException:
         engine.close()
         raise
     finally:
+        at.pop("in_loop", None)
         bar.close()
         metrics.close()
         if trace_f is not None:

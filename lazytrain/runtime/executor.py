@@ -208,11 +208,14 @@ class StreamingExecutor:
         self.grad_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.publish_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.parts: DecoderParts = find_parts(model)
-        if getattr(self.parts.lm, "is_gradient_checkpointing", False):
+        lm = self.parts.lm
+        if getattr(lm, "is_activation_checkpointing", None) or (
+                not hasattr(lm, "is_activation_checkpointing") and getattr(lm, "is_gradient_checkpointing", False)):
             # the plan decides what is recomputed; HF's own checkpointing would recompute again
             # inside it, and its reentrant form cannot run under the per-layer backward (review:
-            # torch's raw RuntimeError in the first step)
-            self.parts.lm.gradient_checkpointing_disable()
+            # torch's raw RuntimeError in the first step). (transformers 5.x renamed it
+            # activation checkpointing; the old names warn)
+            (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
             warnings.warn("the model had Hugging Face gradient checkpointing on: turned off (the plan decides "
                           "what is recomputed)", stacklevel=2)
         if plan.job.loss_chunk_tokens:

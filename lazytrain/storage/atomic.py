@@ -16,6 +16,8 @@ def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:   # (fsync's error names no file: the caller's message then named none)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)
 

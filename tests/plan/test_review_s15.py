@@ -147,7 +147,11 @@ def test_infeasible_advice_names_what_would_help():
            "need down to 5.84 GiB" in text
     text = _explain(["model=qwen2.5-32b", "hardware=rtx3090", "job.mode=full", "job.seq_len=2048",
                      "hardware.host_memory_gib=157.9"])
-    assert "hardware.host_memory_gib=157.98 plans it at this device budget" in text
+    # (157.98 until 2026-12-02; since, the host also stages activations bound for NVMe:
+    # costmodel.NVME_ACT_STAGING_LAYERS; the figure is checked to plan before it is said)
+    import re
+    m = re.search(r"hardware.host_memory_gib=([0-9.]+) plans it at this device budget", text)
+    assert m and 157.9 < float(m.group(1)) < 159, text
 
 
 def test_a_cache_hit_does_not_repeat_the_lora_target_warning(small, tmp_path, caplog):

@@ -97,3 +97,97 @@ def test_a_resume_on_other_evaluation_data_says_so(base_overrides, text_data, tm
     capsys.readouterr()
     assert cli.main([*common2, "resume=true"]) == 0
     assert "evaluation data differ" not in "".join(capsys.readouterr())
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_resume_continues(base_overrides, tmp_path, capsys,
+                                                                       monkeypatch):
+    """SIGTERM (a scheduler's preemption) killed the run with no word, losing up to save_every
+    steps (review). Now the running step ends, is checkpointed, and the run stops with one line,
+    exit 143; a resume gives the uninterrupted run's losses."""
+    import json
+    import os
+    import signal
+
+    from lazytrain.runtime.executor import StreamingExecutor
+
+    small = ["engine=lazytrain", "hardware.device_memory_gib=0.002", "hardware.workspace_gib=0.0001"]
+    args = [*base_overrides, *small, "job.max_steps=5", "save_every=2", "save_final_model=false"]
+    real, calls = StreamingExecutor._micro_batch, [0]
+
+    def micro_batch(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 3:   # during step 3 (one micro-batch a step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(StreamingExecutor, "_micro_batch", micro_batch)
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    rc = cli.main([*args, f"output_dir={out}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 143 and err == (f"lazytrain train: stopped by SIGTERM after step 3 of 5; the last checkpoint is "
+                                 f"step 3: continue with resume=true output_dir={out}"), err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # put back
+    monkeypatch.undo()
+    assert cli.main([*args, f"output_dir={out}", "resume=true"]) == 0
+    assert cli.main([*args, f"output_dir={ref}"]) == 0
+
+    def losses(d):
+        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert losses(out) == losses(ref) and len(losses(ref)) == 5
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
+    """In the first second or two (torch importing) Ctrl-C gave a traceback (review)."""
+    import importlib
+
+    from lazytrain.cli import main as entry
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    assert cli_main(["train", "job.max_steps=1"]) == 130
+    assert capsys.readouterr().err.strip() == "lazytrain train: interrupted while starting; nothing was written"
+    assert entry.main is cli_main
+
+
+@pytest.mark.parametrize("fail", ["tensors", "state", "fsync"])
+def test_a_failed_checkpoint_write_names_the_file(tmp_path, monkeypatch, fail):
+    """A full disk was reported at the checkpoint's temp dir, not the file (safetensors' error and
+    a failed fsync carry no file name; review)."""
+    import os
+
+    import torch
+
+    import lazytrain.recipes.checkpoint as C
+    import lazytrain.storage.atomic as A
+    from lazytrain.recipes import checkpoint as ckpt
+    from lazytrain.storage.aligned_io import DiskIOError
+
+    root = tmp_path / "ck"
+    if fail == "tensors":
+        from safetensors import SafetensorError
+
+        def boom(*a, **k):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        monkeypatch.setattr(C, "save_file", boom)
+        want = "engine.safetensors"
+    elif fail == "state":
+        real = type(root).write_text
+
+        def write_text(self, *a, **k):
+            if self.name == "state.json":
+                raise OSError(28, "No space left on device")
+            return real(self, *a, **k)
+        monkeypatch.setattr(type(root), "write_text", write_text)
+        want = "state.json"
+    else:
+        def fsync(fd):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(A.os, "fsync", fsync)
+        want = ""   # whichever file fsync_tree reaches first: a file in the temp dir, not the dir
+    with pytest.raises(DiskIOError) as e:
+        ckpt.save_checkpoint(root, 1, {"data_position": 1}, engine_tensors={"w": torch.ones(3)})
+    where = str(e.value).split("write checkpoint ", 1)[1].split(" (", 1)[0]
+    assert os.path.basename(where).endswith(want) and os.path.basename(os.path.dirname(where)) == \
+        ".step_000001.tmp", str(e.value)
