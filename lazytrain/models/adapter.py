@@ -103,6 +103,16 @@ def find_parts(model: nn.Module) -> DecoderParts:
         raise ModelStructureError(f"{type(lm).__name__}: no ModuleList of {n_layers} decoder blocks found")
     # The decoder blocks are the outermost such list (MoE experts lists live inside blocks).
     blocks_name, blocks = min(candidates, key=lambda nm: nm[0].count("."))
+    lists = {name for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and m is not blocks}
+    outer = [n for n in lists if blocks_name.startswith(n + ".")]
+    if outer:
+        # a list inside another list's element (LongCat-Flash counts two sub-layers per block in
+        # num_hidden_layers: its 2-entry self_attn was taken for the blocks and the block's own
+        # MLP blamed as "weights next to the blocks": review)
+        held = len(lm.get_submodule(min(outer, key=len)))
+        raise ModelStructureError(f"{type(lm).__name__}: no ModuleList of {n_layers} decoder blocks (the config's "
+                                  f"num_hidden_layers) found; the outermost list of blocks, "
+                                  f"{min(outer, key=len)}, holds {held}")
     base = lm.get_submodule(blocks_name.rpartition(".")[0]) if "." in blocks_name else lm
     norm = _final_norm(base, blocks, embed)
     tied = head.weight is embed.weight

@@ -700,7 +700,7 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
             if had == v and then is not None and then != now:
                 raise ConfigError(f"cannot resume: the checkpoint was trained on other data (token "
                                   f"fingerprint {then}, this run's {now}: other files, contents or order, "
-                                  f"tokenizer or data fields){_data_hints(cfg, pre)}; use the same data "
+                                  f"tokenizer or data fields){_data_hints(cfg, pre, state)}; use the same data "
                                   f"or a new output_dir")
         if k == "lora" and isinstance(had, dict) and had != v:
             names = {"rank": "job.lora_rank", "alpha": "job.lora_alpha", "targets": "job.lora_targets"}
@@ -712,17 +712,25 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
                                   f"({'; '.join(diff)}); use the run's settings and base model, or a new output_dir")
             continue
         if had != v:
-            hint = _data_hints(cfg, pre) if k == "dataset" else ""
+            hint = _data_hints(cfg, pre, state) if k == "dataset" else ""
             raise ConfigError(f"cannot resume: the checkpoint was written with {k}={had}, this run has "
                               f"{k}={v}{hint}; use the same settings or a new output_dir")
 
 
-def _data_hints(cfg: DictConfig, pre: Preflight) -> str:
-    """What else changes the training sequences than the files: a held-out fraction, and the BOS
-    data.add_bos=auto puts in front of documents since 2026-12-01 (runs before had none)."""
+def _data_hints(cfg: DictConfig, pre: Preflight, state: dict[str, Any] | None = None) -> str:
+    """What else changes the training sequences than the files: a held-out fraction, the BOS
+    data.add_bos=auto puts in front of documents since 2026-12-01 (runs before had none), and the
+    whole-row packing of prompt/completion and chat rows since 2026-12-02 (DATA_PACKING)."""
     from ..data.dataset import bos_for
 
     hints = []
+    if (cfg.data.get("prompt_field") or cfg.data.get("messages_field")) and state is not None \
+            and state.get("data_packing", 1) < DATA_PACKING:
+        # (a review resumed such a run after the upgrade, with the same settings, and was told to
+        # use the same settings)
+        hints.append("prompt/completion and chat rows are packed whole since 2026-12-02, and this "
+                     "checkpoint was written before (its rows cut at fixed sequence edges): it cannot "
+                     "continue on the new sequences; start the run again in a new output_dir")
     if cfg.data.get("eval_fraction"):
         hints.append(f"data.eval_fraction={cfg.data.eval_fraction} holds sequences out of training")
     add = cfg.data.get("add_bos", "auto")
@@ -835,6 +843,10 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
 
 
 SCHEDULE_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "max_steps")
+# How masked rows are packed into sequences, recorded in checkpoints: 2 (2026-12-02) packs each
+# prompt/completion or chat row whole (data.dataset._pack_rows); 1 (unrecorded) cut the token stream
+# at fixed edges. Text data is packed alike in both.
+DATA_PACKING = 2
 SETTING_NAMES = {"lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "min_lr_ratio": "optim.min_lr_ratio",
                  "max_steps": "job.max_steps", "batch_size": "job.batch_size", "grad_accum": "job.grad_accum"}
 
@@ -1183,7 +1195,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
 
     def save(step_done: int) -> None:
         state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
-                 "schedule": schedule_settings(cfg), **job_identity(cfg, ds, pre),
+                 "schedule": schedule_settings(cfg), **job_identity(cfg, ds, pre), "data_packing": DATA_PACKING,
                  # (a resume on other evaluation data says so: one eval_loss curve spanned two sets)
                  "eval_fingerprint": pre.eval_dataset.fingerprint if pre.eval_dataset is not None else None}
         if isinstance(engine, DeepSpeedEngine):
@@ -1242,7 +1254,9 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                 at["saving"] = "checkpoint"
                 save(step)   # (a SIGTERM's: this step kept, see _note_sigterm)
                 del at["saving"]
-            if at.get("sigint") or at.get("sigterm"):   # a Ctrl-C that Python dropped (see _note_sigint)
+            # a Ctrl-C that Python dropped (see _note_sigint); a SIGTERM's stop, unless this was the
+            # last step (the run then ends as usual: its final model and summary; review)
+            if at.get("sigint") or (at.get("sigterm") and step < min(max_steps, stop_at)):
                 at["between_steps"] = True
                 raise KeyboardInterrupt
     except BaseException:

@@ -65,11 +65,25 @@ def test_only_assistant_messages_and_their_end_of_turn_are_learned(tmp_path, cha
 def test_packed_labels_ignore_everything_but_the_assistant_tokens(tmp_path, chat_tok):
     f = _jsonl(tmp_path / "chats.jsonl", *[{"messages": CONV}] * 6)
     ds = build_dataset([f], chat_tok, seq_len=16, seed=0, messages_field="messages")
-    ids, learn = tokenize_chats([f], chat_tok, "messages")
-    n = ids.numel() // 16
-    seqs, masks = ids[: n * 16].view(n, 16), learn[: n * 16].view(n, 16)
+    lens: list[int] = []
+    ids, learn = tokenize_chats([f], chat_tok, "messages", row_lengths=lens)
+    # rows packed whole (since 2026-12-02): a row longer than a sequence starts one and runs on,
+    # each next sequence beginning with the token before it as context (not learned again)
+    wins, at = [[]], 0
+    for n in lens:
+        if wins[-1] and len(wins[-1]) + n > 16:
+            wins.append([])
+        for t, m in zip(ids[at:at + n].tolist(), learn[at:at + n].tolist()):
+            if len(wins[-1]) == 16:
+                wins.append([(wins[-1][-1][0], False)])
+            wins[-1].append((t, m))
+        at += n
+    pad = chat_tok.pad_token_id if chat_tok.pad_token_id is not None else chat_tok.eos_token_id
+    wins = [w + [(pad, False)] * (16 - len(w)) for w in wins]
+    seqs = torch.tensor([[t for t, _ in w] for w in wins])
+    masks = torch.tensor([[m for _, m in w] for w in wins])
     keep = masks[:, 1:].any(dim=1)   # sequences with no target after the shift are dropped
-    assert 0 < int(keep.sum()) < n
+    assert 0 < int(keep.sum()) < len(wins)
     assert torch.equal(ds.sequences, seqs[keep]) and torch.equal(ds.learn, masks[keep])
     b = ds.batch(0, len(ds))
     learned = b.labels != -100

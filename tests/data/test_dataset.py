@@ -99,7 +99,8 @@ def test_prompt_completion_learns_only_completions(tmp_path, tok):
     ds = build_dataset([f], tok, seq_len=32, seed=0, prompt_field="prompt", text_field="completion",
                        cache_dir=tmp_path / "cache")
     # the learn mask against an independent tokenisation of the rows, packed whole: a row that does
-    # not fit the rest of a sequence starts the next (one longer than a sequence runs on), padded
+    # not fit the rest of a sequence starts the next (one longer than a sequence runs on, from the
+    # token before as context), padded
     wins = [[]]
     for r in rows:
         p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
@@ -107,8 +108,8 @@ def test_prompt_completion_learns_only_completions(tmp_path, tok):
         if wins[-1] and len(wins[-1]) + len(p) + len(c) > 32:
             wins.append([])
         for t in [(x, False) for x in p] + [(x, True) for x in c]:
-            if len(wins[-1]) == 32:
-                wins.append([])
+            if len(wins[-1]) == 32:   # runs on: the next window starts with this one's last token
+                wins.append([(wins[-1][-1][0], False)])
             wins[-1].append(t)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     wins = [w + [(pad, False)] * (32 - len(w)) for w in wins]

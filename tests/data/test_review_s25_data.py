@@ -4,6 +4,8 @@ skipped rows counted."""
 import json
 import logging
 
+import pytest
+
 import torch
 
 from lazytrain.data.dataset import PackedDataset, bos_for, build_dataset, tokenize_files, tokenize_pairs
@@ -61,17 +63,40 @@ def test_a_row_longer_than_the_sequence_starts_one_and_runs_on(tmp_path, tok, ca
                  json.dumps({"prompt": "q", "completion": " yes"}) + "\n")
     rows = _rows(f, tok)
     seq = 17
-    rem = len(rows[0][0]) % seq
-    assert len(rows[0][0]) > 3 * seq and 0 < rem and rem + len(rows[1][0]) + len(rows[2][0]) <= seq
     with caplog.at_level(logging.WARNING, logger="lazytrain.data.dataset"):
         ds = build_dataset([f], tok, seq_len=seq, prompt_field="prompt", text_field="completion")
     later = sum(rows[0][1][seq:])
     assert f"1 of 3 rows are longer than job.seq_len={seq}: each runs on into the next sequences, whose " \
            f"{later} learned tokens" in caplog.text, caplog.text
-    # row 0 from a window's start through the next ones; rows 1 and 2 fill its last window after it
-    both = rows[0][0] + rows[1][0] + rows[2][0]
-    assert ds.sequences.flatten().tolist()[:len(both)] == both and len(ds) == -(-len(rows[0][0]) // seq)
-    assert int(ds.learn.sum()) == sum(sum(m) for _, m in rows)   # no learned token lost
+    # row 0 from a window's start; each next window begins with the last token before it, as context
+    ids0, learn0 = rows[0]
+    got, at, w = ds.sequences.tolist(), 0, 0
+    while at < len(ids0):
+        take = ids0[at:at + seq]
+        assert got[w][:len(take)] == take, w
+        if at:   # the context token is not learned again
+            assert not ds.learn[w, 0]
+        at, w = at + seq - 1, w + 1
+    # every learned token of every row is a target exactly once (a window's first token is none:
+    # the model shifts the labels): a review found continuation windows dropping one each, and a
+    # row of seq_len + 1 losing its EOS
+    b = ds.batch(0, len(ds))
+    assert int((b.labels[:, 1:] != -100).sum()) == sum(sum(m[1:]) for _, m in rows)
+
+
+@pytest.mark.parametrize("n", [7, 8, 9, 15, 16, 17, 23])
+def test_rows_at_the_window_edges_keep_every_target(n):
+    seq = 8
+    lens = [n, seq, seq + 1, 3, n]
+    toks, learn = [], []
+    for r, m in enumerate(lens):
+        toks += [100 * (r + 1) + j for j in range(m)]
+        learn += [False] + [True] * (m - 1)
+    ds = PackedDataset(torch.tensor(toks), seq, learn=torch.tensor(learn), rows=torch.tensor(lens), pad_id=0)
+    b = next(ds.ordered_batches(len(ds)))
+    targets = b.labels[:, 1:][b.labels[:, 1:] != -100].tolist()
+    want = [t for t, m in zip(toks, learn) if m]
+    assert sorted(targets) == sorted(want)   # each once
 
 
 def test_rows_survive_the_token_cache(tmp_path, tok):
@@ -154,3 +179,9 @@ def test_a_deepseek_r1_template_marks_the_answer(tmp_path, tok):
             run = []
     spans += [t.decode(run)] if run else []
     assert spans == ["\n\nOnce per item.<｜end▁of▁sentence｜>", "Until it ends.<｜end▁of▁sentence｜>"], spans
+    # an answer starting "<" (it shares "<" with the prompt's "<think>"): the whole dataset was
+    # refused (a review of the fix above)
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "Bold?"},
+                                          {"role": "assistant", "content": "<b>bold</b> answer"}]}) + "\n")
+    ids, learn = tokenize_chats([f], t, "messages")
+    assert t.decode(ids[learn].tolist()) == "<b>bold</b> answer<｜end▁of▁sentence｜>"

@@ -7,7 +7,9 @@ from lazytrain.cli.main import main as cli_main
 
 # A Cohere2 model: its forward scales the logits (logit_scale) after the head, which the streaming
 # executor's embed -> blocks -> norm -> head would not
-COHERE2 = ["model.hf_config.model_type=cohere2", "model.name=tiny-cohere2"]
+# (eos inside the tiny vocabulary: Cohere2's default 255001 made transformers warn, through a logging
+# handler an earlier test may have left on a closed stream: "--- Logging error ---" in stderr)
+COHERE2 = ["model.hf_config.model_type=cohere2", "model.name=tiny-cohere2", "+model.hf_config.eos_token_id=2"]
 
 
 def test_plan_refuses_a_model_the_executor_cannot_run_exactly(base_overrides, tmp_path, capsys):
@@ -191,3 +193,58 @@ def test_a_failed_checkpoint_write_names_the_file(tmp_path, monkeypatch, fail):
     where = str(e.value).split("write checkpoint ", 1)[1].split(" (", 1)[0]
     assert os.path.basename(where).endswith(want) and os.path.basename(os.path.dirname(where)) == \
         ".step_000001.tmp", str(e.value)
+
+
+def test_resuming_a_checkpoint_from_before_whole_row_packing_says_why(base_overrides, tmp_path, capsys):
+    """A review checkpointed an SFT run with the code before 2026-12-02 and resumed it with the
+    same settings: "use the same settings". Such a checkpoint (no data_packing record) now gets
+    the reason: the rows are packed otherwise since."""
+    import json
+
+    from lazytrain.recipes import checkpoint as ckpt
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Question {i}: what does a loop do?",
+                                       "completion": f" It repeats, item {i}."}) + "\n" for i in range(40)))
+    out = tmp_path / "r"
+    args = [*base_overrides, f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion",
+            "job.seq_len=64", f"output_dir={out}"]
+    assert cli.main([*args, "stop_at_step=2"]) == 0
+    last = ckpt.latest_checkpoint(out / "checkpoints")
+    state = json.loads((last / "state.json").read_text())
+    assert state["data_packing"] == 2
+    # as the code before wrote it: no record, and other sequences
+    del state["data_packing"]
+    state["dataset"]["sequences"] += 3
+    state["dataset"]["fingerprint"] = "0" * 16
+    state.pop(ckpt.STATE_SUM)
+    state[ckpt.STATE_SUM] = ckpt._state_crc(state)
+    (last / "state.json").write_text(json.dumps(state, indent=1))
+    capsys.readouterr()
+    assert cli.main([*args, "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt/completion and chat rows are packed whole since 2026-12-02, and this checkpoint was " \
+           "written before" in err, err
+
+
+def test_sigterm_in_the_last_step_lets_the_run_finish(base_overrides, tmp_path, capsys, monkeypatch):
+    """It exited 143 'stopped after step 6 of 6', without final/ or summary.json (review)."""
+    import os
+    import signal
+
+    from lazytrain.runtime.executor import StreamingExecutor
+
+    real, calls = StreamingExecutor._micro_batch, [0]
+
+    def micro_batch(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(StreamingExecutor, "_micro_batch", micro_batch)
+    out = tmp_path / "run"
+    rc = cli.main([*base_overrides, "engine=lazytrain", "hardware.device_memory_gib=0.002",
+                   "hardware.workspace_gib=0.0001", "job.max_steps=3", f"output_dir={out}"])
+    assert rc == 0, capsys.readouterr().err
+    assert (out / "final").is_dir() and (out / "summary.json").is_file()

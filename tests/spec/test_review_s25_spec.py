@@ -45,3 +45,26 @@ def test_the_plan_cache_key_holds_the_libraries_measured_specs_are_built_with(pk
     from lazytrain.plan.solve import versions
 
     assert versions()[pkg] == metadata.version(pkg)
+
+
+def test_a_model_whose_blocks_return_more_is_one_line_not_a_crash():
+    """Bamba's loop unpacks two values from each block: `plan` printed a bare 'not enough values
+    to unpack', `train` a traceback (review). Now a ModelConfigError naming the model type."""
+    from transformers import AutoConfig
+
+    from lazytrain.spec.model import ModelConfigError
+
+    cfg = AutoConfig.for_model("bamba", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
+                               attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                               mamba_n_groups=1).to_dict()
+    cfg = {k: v for k, v in cfg.items() if k not in ("transformers_version", "architectures")}
+    with pytest.raises(ModelConfigError, match=r"model_type 'bamba': the planner cannot measure it"):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_structure_problem_of_an_unbuildable_family_is_no_verdict():
+    """An UnboundLocalError escaped where the family's default config could not be built (review)."""
+    from lazytrain.spec.generic import structure_problem
+
+    assert structure_problem({"model_type": "no_such_family", "hidden_size": 8}) is None
