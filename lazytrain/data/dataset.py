@@ -483,21 +483,20 @@ def tokenize_chats(files: Sequence[Path], tokenizer, messages_field: str,
             mask = [False] * len(row)
             for i in turns:
                 before, through = render(i, True), render(i + 1, False)
+                content = msgs[i].get("content") or ""
                 if not full.startswith(before):
                     # a generation prompt that a rendered turn does not repeat (DeepSeek-R1's opens
                     # "<think>\n", its past turns render "<｜Assistant｜>" + content: every row was
                     # refused, review): the turn starts where the two part, after the messages before it
                     plain = render(i, False)
                     common = _common_prefix(before, full)
-                    text = msgs[i].get("content") or ""
-                    for shown in dict.fromkeys((text, text.strip(), text.split("</think>")[-1].strip())):
+                    for shown in dict.fromkeys((content, content.strip(), content.split("</think>")[-1].strip())):
                         at = through.find(shown, len(plain)) if shown else -1
                         if at >= 0:   # (never into the content: an answer starting "<" shares
                             common = min(common, at)   # "<" with "<think>": review)
                             break
                     if full.startswith(plain) and through.startswith(plain) and common >= len(plain):
                         before = full[:common]
-                content = msgs[i].get("content") or ""
                 # The turn ends where its rendering stops agreeing with the whole conversation's (a
                 # template may close a conversation after its last message, as Phi-3 adds EOS,
                 # which a later turn does not follow), at least past its content.
@@ -690,7 +689,7 @@ class PackedDataset:
     `learn`: optional bool stream (same length as `tokens`) of the tokens to learn; the others get
     label -100. Sequences with no learned target (positions 1.. after the model's shift) are dropped.
     `rows`: optional lengths of the stream's rows (prompt/completion or chat rows, in order): each
-    row is then packed whole (`_pack_rows`), never cut across two sequences.
+    row is then packed whole where it fits a sequence, never split between two (`_pack_rows`).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0,

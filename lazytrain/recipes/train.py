@@ -989,8 +989,8 @@ def _note_sigint(at: dict[str, Any]):
 def _note_sigterm(at: dict[str, Any]):
     """SIGTERM (a scheduler's preemption: Slurm, Kubernetes, `timeout`) during the training loop
     lets the running step finish, writes a checkpoint of it and stops (`at["sigterm"]`, checked
-    after each step), so a preempted run loses no step; outside the loop, or a second SIGTERM, it
-    stops as Ctrl-C does. It killed the run with no word before, losing up to save_every steps
+    after each step), so a preempted run loses no step; in the last step the run ends as usual
+    (final model, summary); outside the loop, or a second SIGTERM, it stops as Ctrl-C does. It killed the run with no word before, losing up to save_every steps
     (review). One process only: a multi-process launch's ranks must all checkpoint together."""
     import signal
     import threading
