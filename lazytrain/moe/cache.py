@@ -63,7 +63,7 @@ class ExpertCache:
         self.num_slots, self.slot_bytes = num_slots, store.record_bytes
         if self.device.type == "cpu":
             # One aligned block so every slot is 4096-aligned for O_DIRECT reads straight into it.
-            self.pool = aligned_empty(num_slots * self.slot_bytes).view(num_slots, self.slot_bytes)
+            self.pool = aligned_empty(num_slots * self.slot_bytes, huge=True).view(num_slots, self.slot_bytes)
         else:
             self.pool = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
         self.slot_of: dict[Key, int] = {}

@@ -43,7 +43,7 @@ class HostTier:
         self.num_slots, self.slot_bytes, self.policy = slots, slot_bytes, policy
         pin = torch.device(device).type == "cuda"
         self.pinned_memory = pin
-        self.pool = aligned_empty(max(slots, 1) * slot_bytes, pin=pin).view(max(slots, 1), slot_bytes)
+        self.pool = aligned_empty(max(slots, 1) * slot_bytes, pin=pin, huge=True).view(max(slots, 1), slot_bytes)
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(slots - 1, -1, -1))
         self.spills = 0                 # experts copied in from evicted device slots

@@ -101,7 +101,8 @@ class ParamStreamer:
         self._pool_bytes = 0
         for lay in layers:
             if lay.tier == "device" and lay.layout.numel:
-                buf = torch.empty(lay.layout.numel, dtype=lay.layout.dtype, device=device)
+                buf = torch.empty(lay.layout.numel, dtype=lay.layout.dtype, device=device) if self.cuda else \
+                    typed(aligned_empty(lay.layout.padded_nbytes, huge=True), lay.layout.dtype, lay.layout.numel)
                 self.acct.alloc(buf.nbytes, "params_resident")
                 lay.resident = buf
                 self._bind(lay, buf)
@@ -206,7 +207,9 @@ class ParamStreamer:
             if self.cuda:
                 buf = torch.empty(nb, dtype=torch.uint8, device=self.device)
             else:
-                buf = aligned_empty(nb)   # aligned: NVMe reads land directly in it
+                # aligned: NVMe reads land directly in it; kept for reuse, so huge pages (copies
+                # into it and the matmuls reading it are faster: aligned_io.huge_empty)
+                buf = aligned_empty(nb, huge=True)
         except BaseException:
             self.acct.free(nb, "params_streamed")
             raise

@@ -51,7 +51,8 @@ class HostStore:
         self.bufs: dict[str, torch.Tensor] = {}
 
     def allocate(self, key: str, nbytes: int) -> torch.Tensor:
-        buf = aligned_empty(round_up(max(nbytes, 1)), pin=self.pin)
+        # (kept for the run: huge pages where the system gives them, aligned_io.huge_empty)
+        buf = aligned_empty(round_up(max(nbytes, 1)), pin=self.pin, huge=True)
         self.bufs[key] = buf
         return buf
 

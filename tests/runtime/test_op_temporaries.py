@@ -569,7 +569,7 @@ def test_streamed_buffers_the_streamer_drops_are_really_freed(depth, monkeypatch
 
     def aligned_empty(nbytes, *args, **kw):
         t = empty0(nbytes, *args, **kw)
-        if not args and not kw:   # (the pinned staging buffers are host memory)
+        if not args and not kw.get("pin"):   # (the pinned staging buffers are host memory)
             made.append((weakref.ref(t.untyped_storage()), t.numel()))
         return t
 
