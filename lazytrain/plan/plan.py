@@ -220,9 +220,14 @@ class Plan:
 
 def input_hash(model_config: Mapping[str, Any], hardware: HardwareSpec, job: JobSpec,
                options: PlannerOptions, method: str, versions: Mapping[str, str]) -> str:
-    """Content hash over every input that can change a plan."""
+    """Content hash over every input that can change a plan. Whole numbers of the hardware, job and
+    options are hashed as floats: `device_memory_gib=24` and `=24.0` are one plan (they were two
+    cache entries and a re-solve: review)."""
+    def num(d: dict) -> dict:
+        return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in d.items()}
+
     blob = json.dumps({
-        "schema_version": SCHEMA_VERSION, "model": model_config, "hardware": asdict(hardware),
-        "job": asdict(job), "options": asdict(options), "method": method, "versions": dict(versions),
+        "schema_version": SCHEMA_VERSION, "model": model_config, "hardware": num(asdict(hardware)),
+        "job": num(asdict(job)), "options": num(asdict(options)), "method": method, "versions": dict(versions),
     }, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]

@@ -68,3 +68,21 @@ def test_structure_problem_of_an_unbuildable_family_is_no_verdict():
     from lazytrain.spec.generic import structure_problem
 
     assert structure_problem({"model_type": "no_such_family", "hidden_size": 8}) is None
+
+
+def test_the_plan_cache_key_takes_24_and_24_0_gib_as_one():
+    """`hardware.device_memory_gib=24` and `=24.0` made two cache entries (a re-solve; review)."""
+    from dataclasses import replace
+
+    from lazytrain.plan.plan import input_hash
+    from lazytrain.plan.solve import PlannerOptions
+    from lazytrain.runtime.testing import hardware_for_tests
+    from lazytrain.spec import JobSpec
+
+    hw = hardware_for_tests()
+    job = JobSpec(batch_size=2, seq_len=64)
+    key = lambda h, j: input_hash({"model_type": "llama"}, h, j, PlannerOptions(), "milp", {})  # noqa: E731
+    assert key(replace(hw, device_memory_gib=24), job) == key(replace(hw, device_memory_gib=24.0), job)
+    assert key(replace(hw, device_memory_gib=24), job) != key(replace(hw, device_memory_gib=25), job)
+    assert key(hw, replace(job, lora_alpha=32)) == key(hw, replace(job, lora_alpha=32.0))
+    assert key(hw, job) != key(hw, replace(job, batch_size=3))
