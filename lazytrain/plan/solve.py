@@ -779,13 +779,11 @@ def _explain(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: PlannerO
                 f"device memory it needs hit planner.time_limit_s={options.time_limit_s}: raise it for "
                 f"what would fit"], True
     if need is None:
-        host, nvme = _least_host_and_nvme(model, hw, job, options, method)
         # the least host any plan needs with the NVMe there is and this device (the MILP), where
         # one plans so; the layouts' floor only where none does (then the drive is short too)
         floor = min_tier_bytes(model, hw, job, options, method, "host")
         solved = floor is not None and floor != TIMED_OUT
-        if solved:
-            host, nvme = floor, 0
+        host, nvme = (floor, 0) if solved else _least_host_and_nvme(model, hw, job, options, method)
         # what the planner gives the host: less the reserve and, for a CPU device, its budget
         cap = hw.host_capacity_bytes
         usable = f"{_gib(cap)} usable" + (f" after the CPU device's {_budget(hw)}"

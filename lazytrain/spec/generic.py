@@ -93,11 +93,9 @@ def _structure_cached(cfg_json: str, chunk_tokens: int) -> str | None:
 
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     from ..models.adapter import ModelStructureError, check_chunked_loss, find_parts, probe_forward
-
-    from transformers import CONFIG_MAPPING
 
     cfg = json.loads(cfg_json)
     family = cfg.pop("model_type")
@@ -110,15 +108,15 @@ def _structure_cached(cfg_json: str, chunk_tokens: int) -> str | None:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         parts = find_parts(model)
         g = torch.Generator().manual_seed(0)
+        real: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}   # meta param -> its stand-in
         for mod in [c for c in parts.base.children() if c is not parts.blocks] + [parts.head]:
             for sub in mod.modules():
                 for name, p in list(sub.named_parameters(recurse=False)):
                     if p.is_meta:
-                        real = torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p.dim() == 1 else 0.0)
-                        sub._parameters[name] = torch.nn.Parameter(real, requires_grad=p.requires_grad)
-        if parts.tied:
-            parts.head.weight = parts.embed.weight
-        parts = find_parts(model)
+                        if id(p) not in real:   # (one stand-in per parameter: a tied head stays tied)
+                            t = torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p.dim() == 1 else 0.0)
+                            real[id(p)] = (p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+                        sub._parameters[name] = real[id(p)][1]
         if chunk_tokens:
             check_chunked_loss(parts)
         if probe_forward(parts, chunk_tokens) is not None:

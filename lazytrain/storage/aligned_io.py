@@ -9,6 +9,7 @@ say so in `DirectFile.direct` / `.reason`, so benchmarks can report that reads w
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import weakref
@@ -65,19 +66,15 @@ def huge_empty(nbytes: int) -> torch.Tensor | None:
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
-_HUGE: list[bool] = []
-
-
+@functools.cache
 def _huge_pages_allowed() -> bool:
-    if not _HUGE:
-        ok = hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("LAZYTRAIN_HUGEPAGES", "1") != "0"
-        try:
-            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-                ok = ok and "[never]" not in f.read()
-        except OSError:
-            ok = False
-        _HUGE.append(ok)
-    return _HUGE[0]
+    if not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("LAZYTRAIN_HUGEPAGES", "1") == "0":
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
 
 
 def is_aligned(t: torch.Tensor, align: int = ALIGN_BYTES) -> bool:

@@ -37,7 +37,7 @@ def test_a_huge_buffer_is_aligned_writable_and_backed_by_huge_pages():
 
 
 def test_huge_pages_can_be_turned_off(monkeypatch):
-    monkeypatch.setattr(aligned_io, "_HUGE", [False])
+    monkeypatch.setattr(aligned_io, "_huge_pages_allowed", lambda: False)
     t = aligned_empty(2 * HUGE_MIN_BYTES, huge=True)
     assert t.data_ptr() % ALIGN_BYTES == 0 and t.numel() == 2 * HUGE_MIN_BYTES
     assert aligned_io.huge_empty(HUGE_MIN_BYTES) is None
