@@ -154,12 +154,25 @@ def sliding_window_active(model: ModelSpec, job: JobSpec) -> bool:
     return model.sliding_window is not None and job.seq_len >= model.sliding_window
 
 
-def sliding_mask_bytes(model: ModelSpec, job: JobSpec) -> int:
-    """The model's boolean [batch, 1, seq, seq] mask, made once in the forward and handed to every
-    layer (the step context holds it until the last backward)."""
-    if not sliding_window_active(model, job):
-        return 0
-    return job.batch_size * job.seq_len * job.seq_len
+def masked_blocks(model: ModelSpec, job: JobSpec) -> frozenset[int]:
+    """The blocks (0-based) that get an explicit [batch, 1, seq, seq] mask instead of SDPA's causal
+    flag: the sliding-window ones once the sequence reaches the window, and with packed rows
+    (job.packed_rows: transformers' mask that keeps each row to itself) every block with softmax
+    attention."""
+    out = set(model.sliding_blocks) if sliding_window_active(model, job) else set()
+    if job.packed_rows:
+        out |= {spec.index - 1 for spec in model.layers
+                if spec.kind == "block" and spec.attn_flops_fwd_per_token_per_seq > 0}
+    return frozenset(out)
+
+
+def explicit_mask_bytes(model: ModelSpec, job: JobSpec) -> int:
+    """The model's boolean [batch, 1, seq, seq] masks, made once in the forward and handed to the
+    layers (the step context holds them until the last backward): one per kind of attention that
+    gets one (sliding window, full)."""
+    blocks = masked_blocks(model, job)
+    kinds = {i in model.sliding_blocks for i in blocks}
+    return len(kinds) * job.batch_size * job.seq_len * job.seq_len
 
 
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
@@ -173,6 +186,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     opt_per_param = job.master_bytes + job.optimizer_state_bytes_per_param
     opt_traffic_per_param = optimizer_traffic_per_param(job)
     bnd = model.boundary_bytes_per_token(cb) * tokens
+    masks = masked_blocks(model, job)
 
     out: list[LayerCost] = []
     for spec in model.layers:
@@ -188,10 +202,11 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
         act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
         act += tokens * job.seq_len * spec.saved_bytes_per_token_per_seq * cb // 2   # (measured specs)
-        if spec.kind == "block" and sliding_window_active(model, job) and spec.index - 1 in model.sliding_blocks:
+        if spec.kind == "block" and spec.index - 1 in masks:
             # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
-            # saves that, in every sliding layer (measured on the CPU device: [batch, 1, seq, seq] per
-            # block, its own each), and transformers repeats k and v to every query head first (no
+            # saves that, in every block given one (sliding window, packed rows; measured on the
+            # CPU device: [batch, 1, seq, seq] per block, its own each), and transformers repeats
+            # k and v to every query head first (no
             # enable_gqa with a mask), which are what SDPA saves: (heads - kv heads) x head_dim more
             act += job.batch_size * job.seq_len * job.seq_len * cb
             act += tokens * 2 * (model.num_heads - model.num_kv_heads) * model.head_dim * cb
@@ -263,7 +278,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     # Gradients are not static: a layer's weight grads are on the device from its backward until
     # they have left (the executor keeps at most two layers' in flight; one on a CPU device, where
     # they leave inline); plan/ops.grads_in_flight.
-    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + sliding_mask_bytes(model, job)
+    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + explicit_mask_bytes(model, job)
     return JobCosts(
         layers=tuple(out), num_blocks=model.num_layers, grad_accum=job.grad_accum,
         tokens_per_micro_batch=tokens, device_static_bytes=device_static,

@@ -623,7 +623,7 @@ def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
 
 
 def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, seq_len: int,
-               pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masked rows (prompt/completion, chat) packed whole into `seq_len` windows: rows in order
     fill a window while they fit (next fit); the rest of it is `pad_id` tokens, not learned (at a
     window's end, where no token attends to them). A row longer than `seq_len` starts a window and
@@ -632,9 +632,13 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
     every learned token is a target once (said: those past the first window are trained without
     the row's beginning in view). Cut at fixed window edges instead, a completion that crossed
     one was trained in the next window without its prompt, after other rows' tokens (14% of the
-    learned tokens at seq_len 512 in a review's SFT set, 94% at 48). Rows in one window still
-    attend to the rows before them in it (no per-row attention mask: the executor takes none).
-    Returns the windows as one stream and its learn mask, `seq_len` tokens each."""
+    learned tokens at seq_len 512 in a review's SFT set, 94% at 48).
+
+    Each piece of a row gets position ids 0, 1, ... of its own, and so does a window's padding:
+    passed to the model, they make transformers attend each row only to itself (its packed-sequence
+    mask, as for TRL's padding-free batches / DataCollatorWithFlattening) and place its rotary
+    positions as if it were alone. Returns the windows as one stream, its learn mask and its
+    position ids (int32), `seq_len` tokens each."""
     src, dst, size, first = [], [], [], []   # pieces: source start, destination start, length, continues
     windows = fill = acc = 0
     long_rows = later = 0
@@ -665,6 +669,13 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
     out = torch.full((windows * seq_len,), pad_id, dtype=tokens.dtype)
     mask = torch.zeros(windows * seq_len, dtype=torch.bool)
     out[d_idx], mask[d_idx] = tokens[s_idx], learn[s_idx]
+    # positions: the index within each piece; in each window's padding, from 0 after its last piece
+    pos = torch.arange(windows * seq_len, dtype=torch.int32) % seq_len
+    ends = torch.zeros(windows, dtype=torch.long)   # where each window's padding starts
+    ends.scatter_reduce_(0, torch.tensor(dst, dtype=torch.long) // seq_len,
+                         torch.tensor(dst, dtype=torch.long) % seq_len + k, reduce="amax")
+    pos -= torch.repeat_interleave(ends, seq_len).to(torch.int32)
+    pos[d_idx] = within.to(torch.int32)
     again = torch.repeat_interleave(torch.tensor(first, dtype=torch.bool), k) & (within == 0)
     mask[d_idx[again]] = False   # (a continuation's context token: learned in the window before)
     if long_rows:
@@ -674,13 +685,21 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
     if windows:
         log.info("packed %d rows whole into %d sequences of %d tokens (%.1f%% padding)", rows.numel(), windows,
                  seq_len, 100.0 * (1 - total / (windows * seq_len)))
-    return out, mask
+    return out, mask, pos
 
 
 @dataclass(frozen=True)
 class Batch:
     input_ids: torch.Tensor   # [B, S] int64
     labels: torch.Tensor      # [B, S] int64 (input_ids, -100 where not learned; the model shifts)
+    # [B, S] int64 restarting at 0 with each packed row (each attends only to itself), or None
+    # (text: one stream, positions 0..S-1, every token attending to all before it)
+    position_ids: torch.Tensor | None = None
+
+    def micro_batch(self) -> tuple[torch.Tensor, ...]:
+        """What the engines' train_step takes: (input_ids, labels[, position_ids])."""
+        return (self.input_ids, self.labels) if self.position_ids is None else \
+            (self.input_ids, self.labels, self.position_ids)
 
 
 class PackedDataset:
@@ -689,17 +708,19 @@ class PackedDataset:
     `learn`: optional bool stream (same length as `tokens`) of the tokens to learn; the others get
     label -100. Sequences with no learned target (positions 1.. after the model's shift) are dropped.
     `rows`: optional lengths of the stream's rows (prompt/completion or chat rows, in order): each
-    row is then packed whole where it fits a sequence, never split between two (`_pack_rows`).
+    row is then packed whole where it fits a sequence, never split between two, and its batches
+    carry position ids that keep each row's attention to itself (`_pack_rows`).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0,
                  learn: torch.Tensor | None = None, rows: torch.Tensor | None = None, pad_id: int = 0) -> None:
         if seq_len < 2:   # (1 left no target after the shift: NaN losses; review)
             raise DataError(f"seq_len must be >= 2 (a token to predict the next from), got {seq_len}")
+        positions = None
         if rows is not None:
             if learn is None or int(rows.sum()) != tokens.numel():
                 raise DataError("the row lengths do not add up to the token stream (or no learn mask)")
-            tokens, learn = _pack_rows(tokens, learn, rows, seq_len, pad_id)
+            tokens, learn, positions = _pack_rows(tokens, learn, rows, seq_len, pad_id)
         n = tokens.numel() // seq_len
         if n == 0:
             raise DataError(f"the data holds {tokens.numel()} tokens, fewer than one sequence of "
@@ -710,6 +731,7 @@ class PackedDataset:
         self.tail_tokens = tokens.numel() - n * seq_len
         self.files: tuple[Path, ...] = ()   # what it was read from (build_dataset sets it)
         self.sequences = tokens[: n * seq_len].view(n, seq_len)  # [N, S]
+        self.positions = None if positions is None else positions[: n * seq_len].view(n, seq_len)
         self.learn: torch.Tensor | None = None
         if learn is not None:
             if learn.shape != tokens.shape:
@@ -720,6 +742,8 @@ class PackedDataset:
                 raise DataError(f"no sequence of seq_len={seq_len} holds a completion token to learn "
                                 f"(are the prompts longer than job.seq_len?)")
             self.sequences, self.learn = self.sequences[keep], masks[keep]
+            if self.positions is not None:
+                self.positions = self.positions[keep]
         self._reset_order()
 
     def _reset_order(self) -> None:
@@ -739,7 +763,7 @@ class PackedDataset:
         refuse a resume. Once per run: sha256 at 1.7-1.8 GB/s here, ~4.5 s per billion tokens."""
         if self._fingerprint is None:
             h = hashlib.sha256()
-            for name, t in (("sequences", self.sequences), ("learn", self.learn)):
+            for name, t in (("sequences", self.sequences), ("learn", self.learn), ("positions", self.positions)):
                 if t is None:
                     continue
                 h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
@@ -768,19 +792,21 @@ class PackedDataset:
     def batch(self, position: int, batch_size: int) -> Batch:
         """`batch_size` consecutive sequences starting at `position`."""
         idx = [self._index(position + b) for b in range(batch_size)]
-        return self._batch_of(self.sequences[idx], None if self.learn is None else self.learn[idx])
+        return self._batch_of(self.sequences[idx], *(None if t is None else t[idx] for t in (self.learn, self.positions)))
 
     @staticmethod
-    def _batch_of(x: torch.Tensor, learn: torch.Tensor | None) -> Batch:
-        """Input ids and labels of sequences `x` (-100 where `learn` is False)."""
+    def _batch_of(x: torch.Tensor, learn: torch.Tensor | None, positions: torch.Tensor | None = None) -> Batch:
+        """Input ids and labels of sequences `x` (-100 where `learn` is False), and their position ids."""
         labels = x.clone() if learn is None else torch.where(learn, x, torch.full_like(x, -100))
-        return Batch(input_ids=x, labels=labels)
+        return Batch(input_ids=x, labels=labels, position_ids=None if positions is None else positions.long())
 
     @classmethod
-    def _of(cls, sequences: torch.Tensor, learn: torch.Tensor | None, seed: int) -> "PackedDataset":
+    def _of(cls, sequences: torch.Tensor, learn: torch.Tensor | None, seed: int,
+            positions: torch.Tensor | None = None) -> "PackedDataset":
         """A dataset of these (already packed and filtered) sequences."""
         ds = cls.__new__(cls)
         ds.seq_len, ds.seed, ds.sequences, ds.learn = sequences.shape[1], seed, sequences, learn
+        ds.positions = positions
         ds.tail_tokens, ds.files = 0, ()
         ds._reset_order()
         return ds
@@ -794,8 +820,9 @@ class PackedDataset:
             raise DataError(f"data.eval_fraction={fraction} of {n} sequence(s) of seq_len={self.seq_len} "
                             f"leaves none to train on; add data or lower it")
         learn = (None, None) if self.learn is None else (self.learn[: n - k], self.learn[n - k:])
-        return (PackedDataset._of(self.sequences[: n - k], learn[0], self.seed),
-                PackedDataset._of(self.sequences[n - k:], learn[1], self.seed))
+        pos = (None, None) if self.positions is None else (self.positions[: n - k], self.positions[n - k:])
+        return (PackedDataset._of(self.sequences[: n - k], learn[0], self.seed, pos[0]),
+                PackedDataset._of(self.sequences[n - k:], learn[1], self.seed, pos[1]))
 
     def ordered_batches(self, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
         """Batches of the sequences in stream order (evaluation: the same batches every time; the
@@ -804,7 +831,8 @@ class PackedDataset:
             if limit is not None and k >= limit:
                 return
             yield self._batch_of(self.sequences[start:start + batch_size],
-                                 None if self.learn is None else self.learn[start:start + batch_size])
+                                 *(None if t is None else t[start:start + batch_size]
+                                   for t in (self.learn, self.positions)))
 
     def step_batches(self, position: int, batch_size: int, grad_accum: int) -> tuple[list[Batch], int]:
         """The micro-batches of one optimizer step and the position after it."""

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..models.adapter import micro_batch_parts, model_inputs
 from .ds_config import ds_config_from_plan, uses_nvme
 
 __all__ = ["check_available", "ds_config_from_plan", "DeepSpeedTrainer", "DeepSpeedStepResult",
@@ -211,9 +212,10 @@ class DeepSpeedTrainer:
         for g in self.engine.optimizer.param_groups:
             g["lr"] = lr
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, ...]],
                    weights: Sequence[float] | None = None) -> DeepSpeedStepResult:
-        """One optimizer step over `gradient_accumulation_steps` micro-batches of (input_ids, labels);
+        """One optimizer step over `gradient_accumulation_steps` micro-batches of (input_ids, labels)
+        or (input_ids, labels, position_ids) (packed rows);
         `weights`: each micro-batch's in the step's mean loss (default 1; see
         lazytrain.runtime.StreamingExecutor.train_step)."""
         gas = self.engine.gradient_accumulation_steps()
@@ -227,8 +229,9 @@ class DeepSpeedTrainer:
         dev = self.engine.device
         scale = _fp16_loss_scale(self.engine)   # (before the step: an overflow backs it off)
         total, tokens = 0.0, 0
-        for k, (x, y) in enumerate(micro_batches):
-            out = self.engine(input_ids=x.to(dev), labels=y.to(dev))
+        for k, mb in enumerate(micro_batches):
+            x, y, pos = micro_batch_parts(mb, f"micro-batch {k}")
+            out = self.engine(**model_inputs(x, y, pos, dev))
             w = 1.0 if weights is None else float(weights[k])
             self.engine.backward(out.loss * w)   # DeepSpeed scales by 1/gas itself
             self.engine.step()                   # applies the update at the accumulation boundary
@@ -243,7 +246,8 @@ class DeepSpeedTrainer:
                                    step_time_s=time.perf_counter() - t0, device_peak_bytes=int(peak),
                                    tokens=tokens, loss_scale=scale)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> float:
         """The model's mean language-model loss on one batch, no gradients, eval mode. Every rank
         runs it (ZeRO-3 gathers each layer's parameters from all ranks)."""
         from ..recipes.engines import lm_loss
@@ -253,7 +257,8 @@ class DeepSpeedTrainer:
             with torch.no_grad():
                 dev = self.engine.device
                 return float(lm_loss(self.engine, input_ids.to(dev), labels.to(dev),
-                                     getattr(self.engine.module, "config", None)))
+                                     getattr(self.engine.module, "config", None),
+                                     None if position_ids is None else position_ids.to(dev)))
         finally:
             self.engine.train()
 

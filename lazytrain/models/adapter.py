@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -261,6 +261,32 @@ class _Recorder(nn.Module):
         return container((hidden, *(None,) * (n - 1)))
 
 
+def micro_batch_parts(mb: Sequence[torch.Tensor], where: str = "micro-batch"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input_ids, labels, position_ids or None) of a micro-batch given as (input_ids, labels) or
+    (input_ids, labels, position_ids), all [B, S] (position_ids: packed rows, see `block_kwargs`)."""
+    if len(mb) not in (2, 3):
+        raise ValueError(f"{where}: expected (input_ids, labels[, position_ids]), got {len(mb)} items")
+    ids, labels, pos = (*mb, None) if len(mb) == 2 else mb
+    if ids.dim() != 2 or ids.shape != labels.shape or (pos is not None and pos.shape != ids.shape):
+        got = " and ".join(str(tuple(t.shape)) for t in (ids, labels, pos) if t is not None)
+        names = "input_ids and labels must both" if pos is None else "input_ids, labels and position_ids must all"
+        raise ValueError(f"{where}: {names} be [B, S], got {got}")
+    return ids, labels, pos
+
+
+def model_inputs(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None,
+                 device: torch.device | str | None = None) -> dict[str, Any]:
+    """The keyword arguments of a HF causal LM's forward for one training micro-batch. With
+    `position_ids` (packed rows), transformers builds the mask that keeps each row to itself only
+    without a KV cache (masking_utils: a cache turns its packed-sequence detection off, and a
+    model's config asks for one by default): hence use_cache=False, which training never uses."""
+    kw: dict[str, Any] = {"input_ids": input_ids.to(device), "labels": labels.to(device), "use_cache": False}
+    if position_ids is not None:
+        kw["position_ids"] = position_ids.to(device)
+    return kw
+
+
 def mixed_layer_types(parts: DecoderParts) -> bool:
     """Whether blocks get different arguments by type (config.layer_types: sliding-window and full
     attention layers, each with its own mask, and in some families its own rotary embedding)."""
@@ -269,7 +295,8 @@ def mixed_layer_types(parts: DecoderParts) -> bool:
 
 
 def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
-                 device: torch.device, attention_mask: torch.Tensor | None = None) -> list[dict[str, Any]]:
+                 device: torch.device, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """The arguments the model's own forward passes to each block for this input shape, one dict
     per block (the same dict for all of them when every block gets the same ones): the keyword
     arguments, and the positional ones after the hidden state under POSITIONAL (`run_block`).
@@ -279,9 +306,14 @@ def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
     blocks differ by layer type (`mixed_layer_types`, or the probe found them to differ:
     `parts.per_block_args`), runs with each block replaced by a recorder for the duration (gave
     block 0's sliding or full mask to every block before: wrong gradients).
+
+    `position_ids` [batch, seq]: packed rows, each restarting at 0 (data.dataset._pack_rows):
+    transformers then gives the blocks a mask that keeps each row's attention to itself, and rotary
+    tables of the rows' own positions (None: 0..seq-1, one causal sequence).
     """
+    pos = {} if position_ids is None else {"position_ids": position_ids}
     if mixed_layer_types(parts) or parts.per_block_args:
-        return _per_block_kwargs(parts, batch, seq, dtype, device, attention_mask)
+        return _per_block_kwargs(parts, batch, seq, dtype, device, attention_mask, pos)
 
     def grab(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Captured(args, kwargs)
@@ -290,7 +322,7 @@ def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
     dummy = torch.zeros(batch, seq, parts.hidden_size, dtype=dtype, device=device)
     try:
         with torch.no_grad():
-            parts.base(inputs_embeds=dummy, attention_mask=attention_mask, use_cache=False)
+            parts.base(inputs_embeds=dummy, attention_mask=attention_mask, use_cache=False, **pos)
     except _Captured as c:
         _, rest, kw = _split_hidden(c.args_, c.kwargs_)
         kwargs = _call_args(rest, kw)
@@ -302,7 +334,8 @@ def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
 
 
 def _per_block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
-                      device: torch.device, attention_mask: torch.Tensor | None) -> list[dict[str, Any]]:
+                      device: torch.device, attention_mask: torch.Tensor | None,
+                      pos: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     blocks = list(parts.blocks)
     recorders = [_Recorder(b, last=i == len(blocks) - 1, wrap=parts.block_returns) for i, b in enumerate(blocks)]
     dummy = torch.zeros(batch, seq, parts.hidden_size, dtype=dtype, device=device)
@@ -310,7 +343,7 @@ def _per_block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dt
         for i, r in enumerate(recorders):
             parts.blocks[i] = r
         with torch.no_grad():
-            parts.base(inputs_embeds=dummy, attention_mask=attention_mask, use_cache=False)
+            parts.base(inputs_embeds=dummy, attention_mask=attention_mask, use_cache=False, **pos)
     except _Captured:
         pass
     finally:

@@ -1,6 +1,8 @@
 """The engines the train recipe can drive, behind one small interface.
 
     train_step(micro_batches) -> StepStats     one optimizer step over [(input_ids, labels), ...]
+                                               (or (input_ids, labels, position_ids): packed rows)
+    eval_loss(input_ids, labels, position_ids=None) -> float
     set_lr(lr); state_dict() / load_state_dict(sd)  (flat tensor dicts, safetensors-able)
     model (the HF model, synced on `sync_model()`); close()
 
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 import torch
+
+from ..models.adapter import micro_batch_parts, model_inputs
 
 ENGINES = ("lazytrain", "deepspeed", "torch")
 
@@ -45,9 +49,10 @@ class StepStats:
 class Engine(Protocol):
     model: torch.nn.Module
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, ...]],
                    weights: Sequence[float] | None = None) -> StepStats: ...
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float: ...
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> float: ...
     def set_lr(self, lr: float) -> None: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None: ...
@@ -72,13 +77,13 @@ def _stats(res: Any) -> StepStats:
 # ---- engine=torch: plain PyTorch ---------------------------------------------------------------
 
 def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-            config: Any = None) -> torch.Tensor:
+            config: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`model(input_ids, labels=labels).loss` without a MoE router's auxiliary loss (which a config
     with output_router_logits adds to it): the language-model loss evaluation reports. `config`:
     the HF config, when `model` is a wrapper (DeepSpeed's engine) that does not carry it."""
     cfg = config if config is not None else getattr(model, "config", None)
     extra = {"output_router_logits": False} if getattr(cfg, "output_router_logits", False) else {}
-    return model(input_ids=input_ids, labels=labels, **extra).loss
+    return model(**model_inputs(input_ids, labels, position_ids), **extra).loss
 
 
 class TorchEngine:
@@ -134,10 +139,10 @@ class TorchEngine:
         scaler = self.scaler
         scale_used = float(scaler.get_scale()) if scaler is not None else None
         n = len(micro_batches)
-        for k, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device), y.to(self.device)
+        for k, mb in enumerate(micro_batches):
+            x, y, pos = micro_batch_parts(mb, f"micro-batch {k}")
             with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-                loss = self.model(input_ids=x, labels=y).loss
+                loss = self.model(**model_inputs(x, y, pos, self.device)).loss
             w = 1.0 if weights is None else float(weights[k])   # (see StreamingExecutor.train_step)
             out = loss * w / n   # (w = 1: x * 1.0 is x, the plain mean bit for bit)
             (out if scaler is None else scaler.scale(out)).backward()
@@ -174,12 +179,14 @@ class TorchEngine:
                          step_time_s=time.perf_counter() - t0, device_peak_bytes=peak,
                          tokens=tokens, loss_scale=scale_used)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> float:
         """The model's mean language-model loss on one batch, no gradients, eval mode (dropout off)."""
         self.model.eval()
         try:
             with torch.no_grad(), torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
-                return float(lm_loss(self.model, input_ids.to(self.device), labels.to(self.device)))
+                return float(lm_loss(self.model, input_ids.to(self.device), labels.to(self.device),
+                                     position_ids=None if position_ids is None else position_ids.to(self.device)))
         finally:
             self.model.train()
 
@@ -260,8 +267,9 @@ class StreamingEngine:
     def train_step(self, micro_batches, weights=None):
         return _stats(self.ex.train_step(list(micro_batches), weights))
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        return self.ex.eval_loss(input_ids, labels)
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> float:
+        return self.ex.eval_loss(input_ids, labels, position_ids)
 
     def set_lr(self, lr: float) -> None:
         # Updates of the previous step may still be queued (on CUDA they overlap the next
@@ -320,14 +328,15 @@ class DeepSpeedEngine:
     def model(self) -> torch.nn.Module:
         return getattr(self.tr, "model", self._model)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        return float(self.tr.eval_loss(input_ids, labels))
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> float:
+        return float(self.tr.eval_loss(input_ids, labels, position_ids))
 
     def train_step(self, micro_batches, weights=None):
         t0 = time.perf_counter()
         res = self.tr.train_step(list(micro_batches), weights)
         if isinstance(res, (float, int)) or torch.is_tensor(res):
-            tokens = sum(int(x.numel()) for x, _ in micro_batches)
+            tokens = sum(int(mb[0].numel()) for mb in micro_batches)
             return StepStats(loss=float(res), grad_norm=None, skipped=False,
                              step_time_s=time.perf_counter() - t0,
                              device_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -111,6 +111,15 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
                 + ("set optim.max_grad_norm=null for no clipping" if not given else
                    "set optim.max_grad_norm to a norm (1.0, or inf: no clipping, but a non-finite step is skipped)"))
         d["clip_grad"] = clips
+    if cfg.get("data") is not None:   # the plan counts the per-row masks packed rows get
+        rows = bool(cfg.data.get("prompt_field") or cfg.data.get("messages_field"))
+        given = d.get("packed_rows")
+        if given is not None and given != rows:
+            raise ConfigError(f"job.packed_rows={str(given).lower()} but the data is "
+                              + ("prompt/completion or chat rows, packed several to a sequence"
+                                 if rows else "text (no data.prompt_field or data.messages_field)")
+                              + ": job.packed_rows follows the data (leave it out, or job.packed_rows=null)")
+        d["packed_rows"] = rows
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         # (int() took 2.7 as 2 steps without a word, and 'abc' with a traceback)
         raise ConfigError(f"job.max_steps must be a whole number >= 1, got {max_steps!r}")
@@ -365,7 +374,8 @@ def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) ->
     for b in data.ordered_batches(batch_size, limit):
         n = learned_targets(b.labels)
         if n:
-            total += engine.eval_loss(b.input_ids, b.labels) * n
+            total += (engine.eval_loss(b.input_ids, b.labels) if b.position_ids is None else
+                      engine.eval_loss(b.input_ids, b.labels, b.position_ids)) * n
             count += n
     return total / count if count else float("nan")
 
@@ -720,17 +730,20 @@ def check_resumable(state: dict[str, Any], cfg: DictConfig, ds: PackedDataset, p
 def _data_hints(cfg: DictConfig, pre: Preflight, state: dict[str, Any] | None = None) -> str:
     """What else changes the training sequences than the files: a held-out fraction, the BOS
     data.add_bos=auto puts in front of documents since 2026-12-01 (runs before had none), and the
-    whole-row packing of prompt/completion and chat rows since 2026-12-02 (DATA_PACKING)."""
+    whole-row packing of prompt/completion and chat rows since 2026-12-02 and their per-row
+    attention (DATA_PACKING 3, also 2026-12-02)."""
     from ..data.dataset import bos_for
 
     hints = []
-    if (cfg.data.get("prompt_field") or cfg.data.get("messages_field")) and state is not None \
-            and state.get("data_packing", 1) < DATA_PACKING:
+    packing = state.get("data_packing", 1) if state is not None else DATA_PACKING
+    if (cfg.data.get("prompt_field") or cfg.data.get("messages_field")) and packing < DATA_PACKING:
         # (a review resumed such a run after the upgrade, with the same settings, and was told to
         # use the same settings)
-        hints.append("prompt/completion and chat rows are packed whole since 2026-12-02, and this "
-                     "checkpoint was written before (its rows cut at fixed sequence edges): it cannot "
-                     "continue on the new sequences; start the run again in a new output_dir")
+        was = ("its rows cut at fixed sequence edges" if packing < 2 else
+               "its packed rows attending to the rows before them in a sequence")
+        hints.append("prompt/completion and chat rows are packed whole since 2026-12-02, each attending "
+                     f"only to itself (a later change), and this checkpoint was written before ({was}): "
+                     "it cannot continue on the new sequences; start the run again in a new output_dir")
     if cfg.data.get("eval_fraction"):
         hints.append(f"data.eval_fraction={cfg.data.eval_fraction} holds sequences out of training")
     add = cfg.data.get("add_bos", "auto")
@@ -843,10 +856,11 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
 
 
 SCHEDULE_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "max_steps")
-# How masked rows are packed into sequences, recorded in checkpoints: 2 (2026-12-02) packs each
+# How masked rows are packed into sequences, recorded in checkpoints: 3 (2026-12-02, later) as 2 with
+# position ids per row, so that each attends only to itself; 2 (2026-12-02) packs each
 # prompt/completion or chat row whole (data.dataset._pack_rows); 1 (unrecorded) cut the token stream
-# at fixed edges. Text data is packed alike in both.
-DATA_PACKING = 2
+# at fixed edges. Text data is packed alike in all.
+DATA_PACKING = 3
 SETTING_NAMES = {"lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "min_lr_ratio": "optim.min_lr_ratio",
                  "max_steps": "job.max_steps", "batch_size": "job.batch_size", "grad_accum": "job.grad_accum"}
 
@@ -1217,7 +1231,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
             mbs, position = ds.step_batches(position, job.batch_size, job.grad_accum * ranks.world)
             t0 = time.time()
             w = token_weights([b.labels for b in mbs])
-            mine = [(b.input_ids, b.labels) for b in mbs[ranks.rank::ranks.world]]
+            mine = [b.micro_batch() for b in mbs[ranks.rank::ranks.world]]
             # (weights only where they differ from 1: an engine without them trains as before)
             st = engine.train_step(mine) if w is None else engine.train_step(mine, w[ranks.rank::ranks.world])
             if ranks.world > 1:   # what the step did as a whole: the mean loss, all tokens

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss,
+from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss, micro_batch_parts,
                               embedding_backward_reads_weights, find_parts, head_loss, probe_forward,
                               rng_states, router_aux, router_aux_enabled, run_block, run_block_routed,
                               set_rng_states)
@@ -845,6 +845,13 @@ class StreamingExecutor:
     def _set_rng_state(self, st: tuple) -> None:
         set_rng_states(st, [self.device] if self.cuda else [])
 
+    def _block_kwargs(self, B: int, S: int, pos: torch.Tensor | None) -> list[dict]:
+        """The blocks' arguments for a [B, S] micro-batch; with `pos` (packed rows), the model's
+        mask that keeps each row to itself and rotary tables of the rows' own positions."""
+        if pos is not None:
+            pos = pos.to(self.device)
+        return block_kwargs(self.parts, B, S, self.compute_dtype, self.device, position_ids=pos)
+
     def _hold_step_context(self, kw: list[dict]) -> list[torch.Tensor]:
         """Count the tensors the blocks' arguments hold (masks, rotary tables; shared by all
         blocks) as device memory until `_end_micro_batch`; returns them."""
@@ -858,11 +865,11 @@ class StreamingExecutor:
         self._mb_held["ctx"] = ctx_bytes
         return ctx
 
-    def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, n: int, first: bool, last: bool,
-                     weight: float = 1.0) -> float:
+    def _micro_batch(self, ids: torch.Tensor, labels: torch.Tensor, pos: torch.Tensor | None, n: int,
+                     first: bool, last: bool, weight: float = 1.0) -> float:
         ids, labels = ids.to(self.device), labels.to(self.device)
         B, S = ids.shape
-        kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)   # one dict per block
+        kw = self._block_kwargs(B, S, pos)   # one dict per block
         ctx = self._hold_step_context(kw)
         self.acts.resident_ptrs = {t.untyped_storage().data_ptr() for t in ctx}
         self.acts.resident_ptrs |= {p.untyped_storage().data_ptr() for p in self.adapter_params}
@@ -1037,9 +1044,11 @@ class StreamingExecutor:
         self.acts.clear()
 
     # ---- a step --------------------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, ...]],
                    weights: Sequence[float] | None = None) -> StepResult:
-        """One optimizer step over `micro_batches` (list of (input_ids [B,S], labels [B,S])).
+        """One optimizer step over `micro_batches` (list of (input_ids [B,S], labels [B,S]), or
+        (input_ids, labels, position_ids [B,S]) for packed rows that each attend only to themselves:
+        the model's own mask for them, as `model(input_ids, labels=, position_ids=)` builds it).
 
         The step's loss is the mean of the micro-batches' (mean) losses; `weights` (one per
         micro-batch, default 1) scale each in that mean: with n * learned_tokens_k / learned_tokens
@@ -1051,10 +1060,8 @@ class StreamingExecutor:
                                     or not all(math.isfinite(w) and w >= 0 for w in weights)):
             raise ValueError(f"train_step: weights must be {len(micro_batches)} finite numbers >= 0 (one per "
                              f"micro-batch), got {list(weights)}")
-        for k, (ids, labels) in enumerate(micro_batches):   # all of them, before any runs
-            if ids.dim() != 2 or ids.shape != labels.shape:
-                raise ValueError(f"micro-batch {k}: input_ids and labels must both be [B, S], "
-                                 f"got {tuple(ids.shape)} and {tuple(labels.shape)}")
+        # all of them, before any runs
+        parts = [micro_batch_parts(mb, f"micro-batch {k}") for k, mb in enumerate(micro_batches)]
         if self._synced:
             self._rebind()
         t0 = time.perf_counter()
@@ -1072,9 +1079,9 @@ class StreamingExecutor:
                 # read while this step computes; queued behind the last step's updates (the staging
                 # state belongs to the optimizer thread)
                 self._pending.append(self.opt_pool.submit(self._prefetch_states))
-            for k, (ids, labels) in enumerate(micro_batches):
+            for k, (ids, labels, pos) in enumerate(parts):
                 w = 1.0 if weights is None else float(weights[k])
-                loss, aux = self._micro_batch(ids, labels, n, k == 0, k == n - 1, w)
+                loss, aux = self._micro_batch(ids, labels, pos, n, k == 0, k == n - 1, w)
                 losses.append(loss * w)
                 if aux is not None:
                     auxes.append(aux)
@@ -1135,15 +1142,13 @@ class StreamingExecutor:
                           accounted_peak_bytes=int(peak),
                           aux_loss=sum(auxes) / len(auxes) if auxes else None, loss_scale=loss_scale)
 
-    def eval_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def eval_loss(self, ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> float:
         """The model's mean loss on one batch with the current weights (those of every queued update),
         forward only: the layers stream in forward order as in training, nothing is kept for a
         backward, and the modules run in eval mode (dropout off). The language-model loss alone (a
         MoE router's auxiliary loss is a training term). Between steps only."""
         self._check_open("eval_loss")
-        if ids.dim() != 2 or ids.shape != labels.shape:
-            raise ValueError(f"eval_loss: input_ids and labels must both be [B, S], got {tuple(ids.shape)} "
-                             f"and {tuple(labels.shape)}")
+        micro_batch_parts((ids, labels) if position_ids is None else (ids, labels, position_ids), "eval_loss")
         if self._synced:
             self._rebind()
         ids, labels = ids.to(self.device), labels.to(self.device)
@@ -1152,7 +1157,7 @@ class StreamingExecutor:
         try:
             with torch.no_grad():
                 self.model.eval()
-                kw = block_kwargs(self.parts, B, S, self.compute_dtype, self.device)
+                kw = self._block_kwargs(B, S, position_ids)
                 self._hold_step_context(kw)
                 mb = {"ids": ids, "labels": labels, "kw": kw, "n": 1, "weight": 1.0, "recomputing": False,
                       "router": None, "rl": {}, "rl_leaf": {}, "rl_grad": {}, "rl_bytes": {}}

@@ -39,14 +39,18 @@ class JobSpec:
                                         # chunk's logits recomputed in backward (models/chunked_loss.py):
                                         # ~chunk x vocab bytes instead of 12 x tokens x vocab; 0: the
                                         # model's own loss
+    packed_rows: bool = False           # sequences hold several rows (prompt/completion, chat) that
+                                        # attend only to themselves: transformers gives every
+                                        # attention block an explicit mask, which SDPA saves
 
     def __post_init__(self) -> None:
         for k in ("batch_size", "seq_len", "grad_accum", "lora_rank", "optimizer_state_bits", "loss_chunk_tokens"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool):   # "abc" failed a comparison, 1.5 planned
                 raise ValueError(f"job.{k} must be an integer, got {v!r}")
-        if not isinstance(self.clip_grad, bool):   # ('no' is a true string)
-            raise ValueError(f"job.clip_grad must be true or false, got {self.clip_grad!r}")
+        for k in ("clip_grad", "packed_rows"):
+            if not isinstance(getattr(self, k), bool):   # ('no' is a true string)
+                raise ValueError(f"job.{k} must be true or false, got {getattr(self, k)!r}")
         if self.mode not in ("full", "lora"):
             raise ValueError(f"job.mode must be 'full' or 'lora', got {self.mode!r}")
         if self.optimizer_state_bits not in (8, 32):

@@ -226,7 +226,7 @@ def test_deepspeed_steps_report_its_fp16_loss_scale():
         def train(self):
             pass
 
-        def __call__(self, input_ids, labels):
+        def __call__(self, input_ids, labels, use_cache):
             return types.SimpleNamespace(loss=torch.tensor(2.0))
 
         def backward(self, loss):

@@ -212,19 +212,27 @@ def test_resuming_a_checkpoint_from_before_whole_row_packing_says_why(base_overr
     assert cli.main([*args, "stop_at_step=2"]) == 0
     last = ckpt.latest_checkpoint(out / "checkpoints")
     state = json.loads((last / "state.json").read_text())
-    assert state["data_packing"] == 2
-    # as the code before wrote it: no record, and other sequences
-    del state["data_packing"]
-    state["dataset"]["sequences"] += 3
-    state["dataset"]["fingerprint"] = "0" * 16
-    state.pop(ckpt.STATE_SUM)
-    state[ckpt.STATE_SUM] = ckpt._state_crc(state)
-    (last / "state.json").write_text(json.dumps(state, indent=1))
-    capsys.readouterr()
-    assert cli.main([*args, "resume=true"]) == 2
-    err = capsys.readouterr().err
-    assert "prompt/completion and chat rows are packed whole since 2026-12-02, and this checkpoint was " \
-           "written before" in err, err
+    from lazytrain.recipes.train import DATA_PACKING
+
+    assert state["data_packing"] == DATA_PACKING == 3
+    # as the code before wrote it: no record (1: rows cut at fixed edges) or 2 (rows attending to
+    # the rows before them), and another dataset fingerprint
+    for record, why in ((None, "its rows cut at fixed sequence edges"),
+                        (2, "its packed rows attending to the rows before them in a sequence")):
+        if record is None:
+            state.pop("data_packing", None)
+        else:
+            state["data_packing"] = record
+        state["dataset"]["fingerprint"] = "0" * 16
+        state.pop(ckpt.STATE_SUM)
+        state[ckpt.STATE_SUM] = ckpt._state_crc(state)
+        (last / "state.json").write_text(json.dumps(state, indent=1))
+        capsys.readouterr()
+        assert cli.main([*args, "resume=true"]) == 2
+        err = capsys.readouterr().err
+        assert "prompt/completion and chat rows are packed whole since 2026-12-02, each attending only to " \
+               f"itself (a later change), and this checkpoint was written before ({why}): it cannot " \
+               "continue" in err, err
 
 
 def test_sigterm_in_the_last_step_lets_the_run_finish(base_overrides, tmp_path, capsys, monkeypatch):

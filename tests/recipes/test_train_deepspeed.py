@@ -134,3 +134,28 @@ def test_deepspeed_engine_evaluates_as_plain_pytorch(base_overrides, tmp_path):
                       if "eval_loss" in r]
     assert [s for s, _ in evals["deepspeed"]] == [2, 4] == [s for s, _ in evals["torch"]]
     assert [x for _, x in evals["deepspeed"]] == pytest.approx([x for _, x in evals["torch"]], rel=1e-5)
+
+
+@pytest.mark.slow  # DeepSpeed's CPUAdam JIT build and gloo start-up take tens of seconds
+def test_deepspeed_trains_packed_rows_as_plain_pytorch(base_overrides, tmp_path):
+    """Prompt/completion rows packed several to a sequence, each attending only to itself (position
+    ids handed to the model): DeepSpeed's per-step and held-out losses are plain PyTorch's."""
+    from lazytrain.integrations.deepspeed import check_available
+    msg = check_available()
+    if msg:
+        pytest.skip(msg)
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
+                           for i in range(60)))
+    ov = [a for a in base_overrides if not a.startswith("data.files")] + [
+        f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion", "job.seq_len=128",
+        "job.max_steps=3", "save_every=0", "data.eval_fraction=0.2", "eval_every=3"]
+    losses = {}
+    for engine in ("torch", "deepspeed"):
+        out = tmp_path / engine
+        run(load_config([*ov, f"engine={engine}", f"output_dir={out}"], config_name="train"), out,
+            echo=lambda *_: None)
+        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
+    assert len(losses["torch"]) == 4
+    assert losses["deepspeed"] == pytest.approx(losses["torch"], rel=1e-4)

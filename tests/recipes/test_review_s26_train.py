@@ -1,0 +1,58 @@
+"""Session 26: packed SFT rows attend only to themselves, and the plan counts their masks."""
+
+import json
+
+import pytest
+
+from lazytrain.cli import train as cli
+
+
+def _sft(tmp_path):
+    rows = [{"prompt": f"Question {i}: what does a loop do?", "completion": f" It repeats, item {i}."}
+            for i in range(40)]
+    f = tmp_path / "sft.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_the_plan_of_packed_rows_counts_their_masks(base_overrides, tmp_path, capsys):
+    sft = _sft(tmp_path)
+    common = [a for a in base_overrides if not a.startswith("data.files")] + [
+        f"data.files=[{sft}]", "data.text_field=completion", "job.seq_len=64", "job.max_steps=1"]
+    for name, extra, rows in (("sft", ["data.prompt_field=prompt"], True), ("text", [], False)):
+        out = tmp_path / name
+        assert cli.main([*common, *extra, f"output_dir={out}"]) == 0
+        assert json.loads((out / "plan.json").read_text())["job"]["packed_rows"] is rows
+    capsys.readouterr()
+    for extra, said in ((["data.prompt_field=prompt", "job.packed_rows=false"],
+                         "job.packed_rows=false but the data is prompt/completion or chat rows"),
+                        (["job.packed_rows=true"], "job.packed_rows=true but the data is text")):
+        out = tmp_path / "never"
+        assert cli.main([*common, *extra, f"output_dir={out}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and "job.packed_rows follows the data" in err, err
+        assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_packed_rows_train_alike_on_the_executor_and_plain_pytorch(base_overrides, tmp_path):
+    """Several rows to a sequence (seq_len 128): the streamed executor's per-step and held-out
+    losses are plain PyTorch's, both handing the rows' position ids to the model."""
+    from lazytrain.cli.config import load_config
+    from lazytrain.recipes.train import run
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
+                           for i in range(60)))
+    ov = [a for a in base_overrides if not a.startswith("data.files")] + [
+        f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion", "job.seq_len=128",
+        "job.max_steps=3", "save_every=0", "data.eval_fraction=0.2", "eval_every=3"]
+    losses = {}
+    for engine in ("torch", "lazytrain"):
+        out = tmp_path / engine
+        extra = ["hardware.device_memory_gib=0.004", "hardware.workspace_gib=0.0001"] if engine == "lazytrain" else []
+        run(load_config([*ov, *extra, f"engine={engine}", f"output_dir={out}"], config_name="train"), out,
+            echo=lambda *_: None)
+        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
+    assert len(losses["torch"]) == 4
+    assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
