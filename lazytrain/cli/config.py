@@ -3,6 +3,7 @@ takes plain typed arguments (ModelSpec, HardwareSpec, JobSpec, PlannerOptions)."
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -384,7 +385,77 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
         return ModelSpec.from_pretrained_dir(p)
     if m.get("hf_config") is None:
         raise ConfigError("model needs either model.path=DIR or an hf_config in configs/model/*.yaml")
-    return ModelSpec.from_hf_config(OmegaConf.to_container(m.hf_config, resolve=True), name=m.get("name"))
+    hf = OmegaConf.to_container(m.hf_config, resolve=True)
+    spec = ModelSpec.from_hf_config(hf, name=m.get("name"))
+    # (only for keys the shipped model configs do not use: the check imports transformers and with
+    # it torch, ~2 s, which `lazytrain plan` otherwise never loads)
+    unused = unused_hf_config_keys(hf) if set(hf) - {"model_type"} - _shipped_hf_keys() else []
+    if unused:
+        k, near = unused[0]
+        raise ConfigError(f"model.hf_config.{k}: not a setting of {spec.family}'s config (transformers would "
+                          f"keep it and no code would read it)"
+                          + (f"; did you mean model.hf_config.{near}?" if near else "")
+                          + (f" (also: {', '.join(k for k, _ in unused[1:])})" if len(unused) > 1 else ""))
+    return spec
+
+
+@functools.cache
+def _shipped_hf_keys() -> frozenset[str]:
+    """The hf_config keys of configs/model/*.yaml (all read by transformers: checked by a test)."""
+    import yaml
+
+    keys: set[str] = set()
+    for f in sorted((config_dir() / "model").glob("*.yaml")):
+        d = yaml.safe_load(f.read_text()) or {}
+        keys |= set((d.get("hf_config") or {}) if isinstance(d, dict) else {})
+    return frozenset(keys)
+
+
+def unused_hf_config_keys(hf: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """Keys of a from-config model's hf_config that its transformers config class neither declares
+    nor turns into another setting (a typo, `hiden_size`: transformers keeps any keyword as an
+    attribute, the model reads `hidden_size`, and the run trained another model without a word),
+    each with the closest declared key or None. Kept: legacy keys the class converts (`rope_theta`
+    into `rope_parameters`, `torch_dtype` into `dtype`: they change the built config), and keys
+    that transformers' code names without declaring them (Qwen3-MoE's attention reads
+    `getattr(config, "head_dim", ...)`): searched for in the family's package and transformers'
+    shared modules (~4 MB of source, only when a key is undeclared)."""
+    import difflib
+    import inspect
+    import re
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    hf = dict(hf)
+    family = hf.pop("model_type", None)
+    try:
+        cls = type(AutoConfig.for_model(family))
+    except (ValueError, KeyError, TypeError):   # (ModelSpec said what it makes of the family)
+        return []
+    known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", None) or {})
+    for base in cls.__mro__:
+        known |= set(getattr(base, "__annotations__", None) or {})
+    odd = sorted(k for k in hf if k not in known)
+    if not odd:
+        return []
+    import transformers
+
+    root = Path(transformers.__file__).parent
+    family_dir = Path(inspect.getfile(cls)).parent
+    for d in (family_dir, root, root / "integrations"):   # (the family's own package first: small)
+        source = "\n".join(f.read_text(errors="replace") for f in sorted(d.glob("*.py")))
+        odd = [k for k in odd if not re.search(rf"\b{re.escape(k)}\b", source)]
+        if not odd:
+            return []
+    full = AutoConfig.for_model(family, **hf).to_dict()
+    out = []
+    for k in odd:
+        without = AutoConfig.for_model(family, **{kk: v for kk, v in hf.items() if kk != k}).to_dict()
+        if {kk: v for kk, v in full.items() if kk != k} == without:
+            near = difflib.get_close_matches(k, sorted(x for x in known if not x.startswith("_")), n=1)
+            out.append((k, near[0] if near else None))
+    return out
 
 
 def check_model_structure(mspec: ModelSpec, chunk_tokens: int = 0) -> None:

@@ -623,7 +623,7 @@ def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
 
 
 def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, seq_len: int,
-               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pad_id: int, pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masked rows (prompt/completion, chat) packed whole into `seq_len` windows: rows in order
     fill a window while they fit (next fit); the rest of it is `pad_id` tokens, not learned (at a
     window's end, where no token attends to them). A row longer than `seq_len` starts a window and
@@ -637,13 +637,15 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
     Each piece of a row gets position ids 0, 1, ... of its own, and so does a window's padding:
     passed to the model, they make transformers attend each row only to itself (its packed-sequence
     mask, as for TRL's padding-free batches / DataCollatorWithFlattening) and place its rotary
-    positions as if it were alone. Returns the windows as one stream, its learn mask and its
-    position ids (int32), `seq_len` tokens each."""
-    src, dst, size, first = [], [], [], []   # pieces: source start, destination start, length, continues
+    positions as if it were alone. No row's first token is learned (as the target of the row
+    before it, which it cannot see). `pack=False`: one row per window (for models that cannot keep
+    packed rows apart: spec.generic.packed_rows_problem). Returns the windows as one stream, its
+    learn mask and its position ids (int32), `seq_len` tokens each."""
+    src, dst, size = [], [], []   # pieces: source start, destination start, length
     windows = fill = acc = 0
     long_rows = later = 0
     for n in rows.tolist():
-        if windows == 0 or fill + n > seq_len:   # (a longer row always starts a window)
+        if windows == 0 or fill + n > seq_len or (not pack and fill):   # (a longer row always starts one)
             windows, fill = windows + 1, 0
         at = 0
         while True:
@@ -651,7 +653,6 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
             src.append(acc + at)
             dst.append((windows - 1) * seq_len + fill)
             size.append(k)
-            first.append(at > 0)
             fill += k
             if at + k >= n:
                 break
@@ -676,8 +677,10 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
                          torch.tensor(dst, dtype=torch.long) % seq_len + k, reduce="amax")
     pos -= torch.repeat_interleave(ends, seq_len).to(torch.int32)
     pos[d_idx] = within.to(torch.int32)
-    again = torch.repeat_interleave(torch.tensor(first, dtype=torch.bool), k) & (within == 0)
-    mask[d_idx[again]] = False   # (a continuation's context token: learned in the window before)
+    # A piece's first token is no target: a continuation's context token (learned in the window
+    # before), and a row's first token, which would be the target of the row before it, where it
+    # cannot see it (a learned first token: an empty prompt without BOS; review)
+    mask[d_idx[within == 0]] = False
     if long_rows:
         log.warning("%d of %d rows are longer than job.seq_len=%d: each runs on into the next sequences, "
                     "whose %d learned tokens are trained without the row's beginning in view; raise "
@@ -709,18 +712,21 @@ class PackedDataset:
     label -100. Sequences with no learned target (positions 1.. after the model's shift) are dropped.
     `rows`: optional lengths of the stream's rows (prompt/completion or chat rows, in order): each
     row is then packed whole where it fits a sequence, never split between two, and its batches
-    carry position ids that keep each row's attention to itself (`_pack_rows`).
+    carry position ids that keep each row's attention to itself (`_pack_rows`); `pack=False`: one
+    row per sequence (then no position ids: nothing to keep apart).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0,
-                 learn: torch.Tensor | None = None, rows: torch.Tensor | None = None, pad_id: int = 0) -> None:
+                 learn: torch.Tensor | None = None, rows: torch.Tensor | None = None, pad_id: int = 0,
+                 pack: bool = True) -> None:
         if seq_len < 2:   # (1 left no target after the shift: NaN losses; review)
             raise DataError(f"seq_len must be >= 2 (a token to predict the next from), got {seq_len}")
         positions = None
         if rows is not None:
             if learn is None or int(rows.sum()) != tokens.numel():
                 raise DataError("the row lengths do not add up to the token stream (or no learn mask)")
-            tokens, learn, positions = _pack_rows(tokens, learn, rows, seq_len, pad_id)
+            tokens, learn, positions = _pack_rows(tokens, learn, rows, seq_len, pad_id, pack)
+            positions = positions if pack else None
         n = tokens.numel() // seq_len
         if n == 0:
             raise DataError(f"the data holds {tokens.numel()} tokens, fewer than one sequence of "
@@ -930,7 +936,7 @@ def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
 def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: int = 0,
                   text_field: str = "text", cache_dir: str | Path | None = None,
                   prompt_field: str | None = None, messages_field: str | None = None,
-                  add_bos: bool | str = "auto") -> PackedDataset:
+                  add_bos: bool | str = "auto", pack_rows: bool = True) -> PackedDataset:
     """Tokenize (or load the cached tokens of) `files` and pack them into `seq_len` sequences.
 
     `prompt_field`: JSONL prompt/completion rows, learning only the completions (module doc).
@@ -938,6 +944,8 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
     `add_bos`: put the tokenizer's BOS before each text document or prompt/completion row: True,
     False, or "auto" (as the tokenizer does itself, `bos_for`); chat rows get theirs from the template.
     `cache_dir`: the token streams are cached there as safetensors, keyed by `_cache_key`.
+    `pack_rows`: several prompt/completion or chat rows to a sequence, each attending only to
+    itself (False: one row per sequence, for a model that cannot keep them apart).
     """
     if prompt_field and messages_field:
         raise DataError(f"data.prompt_field={prompt_field!r} and data.messages_field={messages_field!r} are "
@@ -973,6 +981,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
         raise DataError(f"the data files ({', '.join(str(p) for p in paths[:3])}"
                         f"{', ...' if len(paths) > 3 else ''}) hold no text")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ds = PackedDataset(tokens, seq_len, seed, learn=data.get("learn"), rows=data.get("rows"), pad_id=pad or 0)
+    ds = PackedDataset(tokens, seq_len, seed, learn=data.get("learn"), rows=data.get("rows"), pad_id=pad or 0,
+                       pack=pack_rows)
     ds.files = tuple(paths)
     return ds

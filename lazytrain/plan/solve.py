@@ -122,6 +122,8 @@ def plan_job(model: ModelSpec, hw: HardwareSpec, job: JobSpec,
     cache = PlanCache(cache_dir) if cache_dir is not None else None
     if cache is not None and use_cache:
         hit = cache.get(h)
+        if hit is not None and hit.job != job:   # (solved for a job that differs in nothing it plans by)
+            hit = replace(hit, job=job)
         if hit is not None:   # (the hash covers the config, not the name: another name, same plan)
             if hit.model_name == model.name:
                 return hit

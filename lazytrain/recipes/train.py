@@ -112,12 +112,15 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
                    "set optim.max_grad_norm to a norm (1.0, or inf: no clipping, but a non-finite step is skipped)"))
         d["clip_grad"] = clips
     if cfg.get("data") is not None:   # the plan counts the per-row masks packed rows get
-        rows = bool(cfg.data.get("prompt_field") or cfg.data.get("messages_field"))
+        pack = cfg.data.get("pack_rows", "auto")
+        if pack not in (True, False, "auto"):
+            raise ConfigError(f"data.pack_rows must be auto, true or false, got {pack!r}")
+        rows = bool(cfg.data.get("prompt_field") or cfg.data.get("messages_field")) and pack is not False
         given = d.get("packed_rows")
         if given is not None and given != rows:
             raise ConfigError(f"job.packed_rows={str(given).lower()} but the data is "
-                              + ("prompt/completion or chat rows, packed several to a sequence"
-                                 if rows else "text (no data.prompt_field or data.messages_field)")
+                              + ("prompt/completion or chat rows, packed several to a sequence" if rows else
+                                 "not packed rows (text, or data.pack_rows=false)")
                               + ": job.packed_rows follows the data (leave it out, or job.packed_rows=null)")
         d["packed_rows"] = rows
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
@@ -259,6 +262,7 @@ def preflight(cfg: DictConfig) -> Preflight:
     profile_mismatch(cfg, job)
     if cfg.engine == "lazytrain":
         check_model_structure(mspec, job.loss_chunk_tokens)
+    job = packing_for(cfg, mspec, job)
     if job.mode == "lora":
         check_lora_targets(mspec, cfg.model.get("path"), job.lora_targets, chunked_loss=bool(job.loss_chunk_tokens))
     for what in ("compute_dtype", "master_dtype"):
@@ -305,7 +309,8 @@ def preflight(cfg: DictConfig) -> Preflight:
     template = cfg.data.get("chat_template")
     if template:
         tokenizer.chat_template = read_chat_template(Path(str(template)).expanduser())
-    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len), tokenizer, job.seq_len)
+    ds, eval_ds = eval_split(cfg, dataset_of(cfg, files, tokenizer, job.seq_len, job.packed_rows), tokenizer,
+                             job.seq_len, job.packed_rows)
     nvme_dir = cfg.storage.get("nvme_dir")
     if nvme_dir:
         check_nvme_dir(Path(str(nvme_dir)).expanduser(), plan_nvme_bytes(plan), create=False)
@@ -323,17 +328,43 @@ def preflight(cfg: DictConfig) -> Preflight:
     return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes, ds_over, eval_ds)
 
 
-def dataset_of(cfg: DictConfig, files, tokenizer, seq_len: int) -> PackedDataset:
-    """`files` read and packed as the data config says (fields, BOS, token cache)."""
+def packing_for(cfg: DictConfig, mspec: ModelSpec, job: JobSpec) -> JobSpec:
+    """`job` with packed_rows False where the model cannot keep rows packed into one sequence apart
+    (spec.generic.packed_rows_problem: GPT-OSS's mask ignores the position ids, Mamba-like blocks
+    carry a state from row to row): data.pack_rows=auto then gives each row a sequence of its own,
+    with a warning; data.pack_rows=true refuses. Every engine runs the model's own masks, so this
+    holds for all three."""
+    if not job.packed_rows:
+        return job
+    from ..spec.generic import packed_rows_problem
+
+    why = packed_rows_problem(dict(mspec.hf_config))
+    if why is None:
+        return job
+    if cfg.data.get("pack_rows", "auto") is True:
+        raise ConfigError(f"data.pack_rows=true: rows packed into one sequence would see each other in "
+                          f"{mspec.family} ({why}); data.pack_rows=auto or false gives each row a sequence "
+                          f"of its own")
+    import logging
+
+    logging.getLogger("lazytrain").warning(
+        "%s cannot keep rows packed into one sequence apart (%s): each row gets a sequence of its own "
+        "(padded; data.pack_rows=false says so and keeps this quiet)", mspec.family, why)
+    return replace(job, packed_rows=False)
+
+
+def dataset_of(cfg: DictConfig, files, tokenizer, seq_len: int, pack_rows: bool = True) -> PackedDataset:
+    """`files` read and packed as the data config says (fields, BOS, token cache); `pack_rows`:
+    several prompt/completion or chat rows to a sequence (`packing_for`)."""
     d = cfg.data
     cache = d.get("cache_dir")
     fields = {k: str(d.get(k)) if d.get(k) else None for k in ("prompt_field", "messages_field")}
     return build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
                          cache_dir=Path(str(cache)).expanduser() if cache else None,
-                         add_bos=d.get("add_bos", "auto"), **fields)
+                         add_bos=d.get("add_bos", "auto"), pack_rows=pack_rows, **fields)
 
 
-def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
+def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int, pack_rows: bool = True
                ) -> tuple[PackedDataset, PackedDataset | None]:
     """(training data, evaluation data or None): data.eval_files, read as the training files are
     (none of them among the files `ds` was read from), or the last data.eval_fraction of the
@@ -353,7 +384,7 @@ def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int
                               f"neither is set; set one (e.g. data.eval_fraction=0.05) or drop {asked[0].split('=')[0]}")
         return ds, None
     try:
-        eval_ds = dataset_of(cfg, files, tokenizer, seq_len)
+        eval_ds = dataset_of(cfg, files, tokenizer, seq_len, pack_rows)
     except DataError as e:
         raise DataError(f"data.eval_files: {e}") from None
     # an evaluation file that is also trained on (in a training dir) was reported as held-out (review)

@@ -53,3 +53,22 @@ def test_batches_carry_the_positions_and_text_batches_none():
     other.positions = other.positions.clone()
     other.positions[0, 5] = 3
     assert other.fingerprint != ds.fingerprint
+
+
+def test_a_rows_first_token_is_never_the_previous_rows_target():
+    """Review: a row whose first token is learned (an empty prompt without BOS) was trained as the
+    target of the row before it, which it cannot see; run alone it is no target."""
+    n = 3 + 4
+    tokens = torch.arange(100, 100 + n)
+    learn = torch.ones(n, dtype=torch.bool)   # every token learned, the rows' first ones too
+    out, mask, pos = _pack_rows(tokens, learn, torch.tensor([3, 4]), 8, pad_id=0)
+    assert out[:7].tolist() == list(range(100, 107))
+    assert mask.tolist() == [False, True, True, False, True, True, True, False]
+
+
+def test_unpacked_rows_get_a_sequence_each_and_no_positions():
+    n = 3 + 2 + 4
+    ds = PackedDataset(torch.arange(1, n + 1), 8, seed=0, learn=torch.ones(n, dtype=torch.bool),
+                       rows=torch.tensor([3, 2, 4]), pack=False)
+    assert ds.sequences.tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0, 0, 0], [6, 7, 8, 9, 0, 0, 0, 0]]
+    assert ds.positions is None and ds.batch(0, 2).position_ids is None

@@ -26,7 +26,8 @@ def test_the_plan_of_packed_rows_counts_their_masks(base_overrides, tmp_path, ca
     capsys.readouterr()
     for extra, said in ((["data.prompt_field=prompt", "job.packed_rows=false"],
                          "job.packed_rows=false but the data is prompt/completion or chat rows"),
-                        (["job.packed_rows=true"], "job.packed_rows=true but the data is text")):
+                        (["job.packed_rows=true"], "job.packed_rows=true but the data is not packed rows (text, or "
+                                                   "data.pack_rows=false)")):
         out = tmp_path / "never"
         assert cli.main([*common, *extra, f"output_dir={out}"]) == 2
         err = capsys.readouterr().err.strip()
@@ -56,3 +57,50 @@ def test_packed_rows_train_alike_on_the_executor_and_plain_pytorch(base_override
         losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
     assert len(losses["torch"]) == 4
     assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
+
+
+def test_a_model_that_cannot_keep_packed_rows_apart_gets_a_sequence_per_row(base_overrides, tmp_path, capsys,
+                                                                            caplog):
+    """GPT-OSS builds its masks without the position ids (review: its packed rows trained attending
+    to each other, unsaid): data.pack_rows=auto gives each row a sequence of its own, with a
+    warning, on every engine alike; data.pack_rows=true refuses it in one line."""
+    import logging
+
+    import torch
+    import transformers
+
+    from lazytrain.cli.config import load_config
+    from lazytrain.recipes.train import run
+
+    cfg = transformers.AutoConfig.for_model(
+        "gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=256, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gptoss")
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
+                           for i in range(40)))
+    ov = [a for a in base_overrides if not a.startswith(("data.files", "model=", "model.hf_config"))] + [
+        f"model.path={tmp_path / 'gptoss'}", f"data.files=[{sft}]", "data.prompt_field=prompt",
+        "data.text_field=completion", "job.seq_len=64", "job.max_steps=2", "save_every=0"]
+    losses = {}
+    for engine in ("torch", "lazytrain"):
+        out = tmp_path / engine
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lazytrain"):
+            run(load_config([*ov, f"engine={engine}", f"output_dir={out}"], config_name="train"), out,
+                echo=lambda *_: None)
+        assert any("gpt_oss cannot keep rows packed into one sequence apart" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert json.loads((out / "plan.json").read_text())["job"]["packed_rows"] is False
+        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["tokens"] == 2 * 64 for r in recs)
+        losses[engine] = [r["loss"] for r in recs]
+    assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
+    capsys.readouterr()
+    assert cli.main([*ov, "data.pack_rows=true", f"output_dir={tmp_path / 'never'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.pack_rows=true: rows packed into one sequence would see each other in gpt_oss" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "never").exists()
