@@ -147,6 +147,15 @@ def check_lora_targets(model: ModelSpec, targets: tuple[str, ...]) -> None:
 _LORA_WARNED: "weakref.WeakValueDictionary[tuple, ModelSpec]" = weakref.WeakValueDictionary()
 
 
+# An eager attention's backward (measured specs: what a block saves per token x sequence, the
+# softmax probabilities) holds the probabilities' gradients next to them: in fp32 around the fp32
+# softmax (its input's and output's gradients) and in the compute dtype around the matmuls. Fitted
+# on Gemma 2 (eager, head_dim 32, 4 and 8 heads, batch 1-2, seq 256-1024, op temporaries counted,
+# acts-on-host plans): the peak above the plan grew with the sequence, 1.15-1.30x at 1.0 without
+# this term, 1.017x at 1024 tokens with 1.25; 1.5 gives 0.93-0.96 (2026-12-02 review).
+EAGER_ATTN_BWD_FACTOR = 1.5
+
+
 def sliding_window_active(model: ModelSpec, job: JobSpec) -> bool:
     """The sequence reaches the model's attention window: transformers then builds an explicit mask
     for SDPA instead of its causal flag (masking_utils: kv_length >= the window; below it, causal
@@ -223,6 +232,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
                         default=model.intermediate_size)
             k = max(1, spec.experts_per_token)
             bwd_tr = tokens * (2 * model.hidden_size * 4 + 3 * inter * k * cb)
+            bwd_tr += int(EAGER_ATTN_BWD_FACTOR * tokens * job.seq_len * spec.saved_bytes_per_token_per_seq * cb // 2)
             if spec.experts_per_token > 1:
                 # Routed experts: their backward holds tokens x k x hidden tensors (the gathered
                 # inputs' and outputs' gradients), up to 7 of them at once in the compute dtype at
