@@ -389,25 +389,35 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
     spec = ModelSpec.from_hf_config(hf, name=m.get("name"))
     # (only for keys the shipped model configs do not use: the check imports transformers and with
     # it torch, ~2 s, which `lazytrain plan` otherwise never loads)
-    unused = unused_hf_config_keys(hf) if set(hf) - {"model_type"} - _shipped_hf_keys() else []
-    if unused:
-        k, near = unused[0]
+    unused = unused_hf_config_keys(hf) if set(hf) - {"model_type"} - _shipped_hf_keys(spec.family) else []
+    typos = [(k, near) for k, near in unused if near]
+    if typos:   # (a key with a close declared one: a typo, refused)
+        k, near = typos[0]
         raise ConfigError(f"model.hf_config.{k}: not a setting of {spec.family}'s config (transformers would "
-                          f"keep it and no code would read it)"
-                          + (f"; did you mean model.hf_config.{near}?" if near else "")
-                          + (f" (also: {', '.join(k for k, _ in unused[1:])})" if len(unused) > 1 else ""))
+                          f"keep it and no code would read it); did you mean model.hf_config.{near}?"
+                          + (f" (also: {', '.join(k for k, _ in unused if k != typos[0][0])})" if len(unused) > 1 else ""))
+    if unused:   # (published config.json files carry such keys: DeepSeek-V3's ep_size; review)
+        import logging
+
+        logging.getLogger("lazytrain").warning(
+            "model.hf_config: %s: not %s of %s's config; no transformers code reads %s (ignored)",
+            ", ".join(k for k, _ in unused), "settings" if len(unused) > 1 else "a setting", spec.family,
+            "them" if len(unused) > 1 else "it")
     return spec
 
 
 @functools.cache
-def _shipped_hf_keys() -> frozenset[str]:
-    """The hf_config keys of configs/model/*.yaml (all read by transformers: checked by a test)."""
+def _shipped_hf_keys(family: str) -> frozenset[str]:
+    """The hf_config keys of the configs/model/*.yaml of model_type `family` (all read by
+    transformers: checked by a test)."""
     import yaml
 
     keys: set[str] = set()
     for f in sorted((config_dir() / "model").glob("*.yaml")):
         d = yaml.safe_load(f.read_text()) or {}
-        keys |= set((d.get("hf_config") or {}) if isinstance(d, dict) else {})
+        hf = (d.get("hf_config") or {}) if isinstance(d, dict) else {}
+        if isinstance(hf, dict) and hf.get("model_type") == family:
+            keys |= set(hf)
     return frozenset(keys)
 
 
@@ -453,7 +463,8 @@ def unused_hf_config_keys(hf: dict[str, Any]) -> list[tuple[str, str | None]]:
     for k in odd:
         without = AutoConfig.for_model(family, **{kk: v for kk, v in hf.items() if kk != k}).to_dict()
         if {kk: v for kk, v in full.items() if kk != k} == without:
-            near = difflib.get_close_matches(k, sorted(x for x in known if not x.startswith("_")), n=1)
+            # (a close one only: at difflib's default 0.6, ep_size was "did you mean hidden_size")
+            near = difflib.get_close_matches(k, sorted(x for x in known if not x.startswith("_")), n=1, cutoff=0.8)
             out.append((k, near[0] if near else None))
     return out
 

@@ -223,18 +223,15 @@ def input_hash(model_config: Mapping[str, Any], hardware: HardwareSpec, job: Job
     """Content hash over every input that can change a plan. Whole numbers of the hardware, job and
     options are hashed as floats: `device_memory_gib=24` and `=24.0` are one plan (they were two
     cache entries and a re-solve: review). Job settings no plan depends on are left out: LoRA's
-    alpha (a scale inside the adapter), the order of its targets, and every LoRA setting of a full
-    fine-tuning job; a plan served for another value of them carries the asked job (`plan_job`)."""
+    alpha (a scale inside the adapter) and the order of its targets; a plan served for another value
+    of them carries the asked job (`plan_job`). (A full job keeps its LoRA rank and targets: an
+    infeasible one's advice plans job.mode=lora with them.)"""
     def num(d: dict) -> dict:
         return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in d.items()}
 
     j = asdict(job)
     j.pop("lora_alpha")
-    if job.mode == "full":
-        for k in ("lora_rank", "lora_targets"):
-            j.pop(k)
-    else:
-        j["lora_targets"] = sorted(j["lora_targets"])
+    j["lora_targets"] = sorted(j["lora_targets"])
     blob = json.dumps({
         "schema_version": SCHEMA_VERSION, "model": model_config, "hardware": num(asdict(hardware)),
         "job": num(j), "options": num(asdict(options)), "method": method, "versions": dict(versions),

@@ -113,7 +113,7 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
         d["clip_grad"] = clips
     if cfg.get("data") is not None:   # the plan counts the per-row masks packed rows get
         pack = cfg.data.get("pack_rows", "auto")
-        if pack not in (True, False, "auto"):
+        if not (isinstance(pack, bool) or pack == "auto"):   # (0 == False: `data.pack_rows=0` packed)
             raise ConfigError(f"data.pack_rows must be auto, true or false, got {pack!r}")
         rows = bool(cfg.data.get("prompt_field") or cfg.data.get("messages_field")) and pack is not False
         given = d.get("packed_rows")
@@ -771,7 +771,8 @@ def _data_hints(cfg: DictConfig, pre: Preflight, state: dict[str, Any] | None = 
         # (a review resumed such a run after the upgrade, with the same settings, and was told to
         # use the same settings)
         was = ("its rows cut at fixed sequence edges" if packing < 2 else
-               "its packed rows attending to the rows before them in a sequence")
+               "its packed rows attending to the rows before them in a sequence" if packing < 3 else
+               "a row's first token, where learned, the target of the row before it")
         hints.append("prompt/completion and chat rows are packed whole since 2026-12-02, each attending "
                      f"only to itself (a later change), and this checkpoint was written before ({was}): "
                      "it cannot continue on the new sequences; start the run again in a new output_dir")
@@ -887,11 +888,13 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
 
 
 SCHEDULE_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "max_steps")
-# How masked rows are packed into sequences, recorded in checkpoints: 3 (2026-12-02, later) as 2 with
+# How masked rows are packed into sequences, recorded in checkpoints: 4 (2026-12-02, later still) as
+# 3 with no row's first token learned (the target of the row before it, which it cannot see);
+# 3 (2026-12-02, later) as 2 with
 # position ids per row, so that each attends only to itself; 2 (2026-12-02) packs each
 # prompt/completion or chat row whole (data.dataset._pack_rows); 1 (unrecorded) cut the token stream
 # at fixed edges. Text data is packed alike in all.
-DATA_PACKING = 3
+DATA_PACKING = 4
 SETTING_NAMES = {"lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "min_lr_ratio": "optim.min_lr_ratio",
                  "max_steps": "job.max_steps", "batch_size": "job.batch_size", "grad_accum": "job.grad_accum"}
 

@@ -135,7 +135,7 @@ def packed_rows_problem(cfg: dict) -> str | None:
     only to itself). Packed rows carry position ids restarting at 0 with each row, from which
     transformers builds a mask that keeps them apart, where the family builds its masks so: checked
     on the model built from `cfg` on the meta device, its blocks stood in for (their arguments for
-    two rows of 4 tokens: every block must get a [.., 8, 8] mask in which the second row's tokens
+    rows of 3 and 4 tokens: every block must get a [.., 7, 7] mask in which the second row's tokens
     cannot see the first's). A family that builds its mask otherwise (GPT-OSS, ALiBi models) or
     whose blocks carry a state along the sequence (Mamba, linear attention: no such mask) fails.
     The families with formulas (spec.model.FAMILIES) are known to pass (tests/runtime/test_packed_rows.py)."""
@@ -153,8 +153,8 @@ def _packed_cached(cfg_json: str) -> str | None:
     from ..models.adapter import _per_block_kwargs, find_parts
 
     cfg = json.loads(cfg_json)
-    S = 8
-    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    S = 7   # rows of 3 and 4 tokens (not 8: a rotary table's [1, 8, 8] was taken for the mask; review)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     try:
         _, model = _build_meta(cfg)
         parts = find_parts(model)
@@ -170,13 +170,15 @@ def _packed_cached(cfg_json: str) -> str | None:
         conv = next((type(m).__name__ for m in parts.blocks[i].modules() if isinstance(m, torch.nn.Conv1d)), None)
         if conv:
             return f"block {i} holds a convolution over the sequence ({conv}: a state carried from row to row)"
-        masks = [t for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+        # the mask: a [.., S, S] argument named as one (or, unnamed, the first such tensor)
+        cands = [(k, t) for k, v in d.items() for t in (v if isinstance(v, (tuple, list)) else (v,))
                  if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (S, S)]
+        masks = [t for k, t in cands if "mask" in str(k)] or [t for _, t in cands]
         if not masks:
             return f"block {i} gets no mask from the rows' position ids (it attends, or carries state, across them)"
         m = masks[0].reshape(-1, S, S)[0]
         sees = (lambda q, k: bool(m[q, k])) if m.dtype == torch.bool else (lambda q, k: float(m[q, k]) > -1e4)
-        if sees(4, 3) or not sees(4, 4):
+        if sees(3, 2) or not sees(3, 3):   # (the second row's first token: the first row's last, itself)
             return f"block {i}'s mask lets the second row's tokens see the first row (it ignores the position ids)"
     return None
 

@@ -35,3 +35,27 @@ def tiny_model_dir(tmp_path: Path, tok_dir, seed: int = 5):
     src.save_pretrained(mdir)
     AutoTokenizer.from_pretrained(tok_dir).save_pretrained(mdir)
     return mdir, src
+
+
+def packed_sft_losses(base_overrides: list[str], tmp_path: Path, engines: dict[str, list[str]]) -> dict[str, list[float]]:
+    """Per-step then held-out losses of one short SFT run per engine (name -> extra overrides) on
+    60 short prompt/completion rows, several packed to each 128-token sequence."""
+    import json
+
+    from lazytrain.cli.config import load_config
+    from lazytrain.recipes.train import run
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
+                           for i in range(60)))
+    ov = [a for a in base_overrides if not a.startswith("data.files")] + [
+        f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion", "job.seq_len=128",
+        "job.max_steps=3", "save_every=0", "data.eval_fraction=0.2", "eval_every=3"]
+    losses = {}
+    for engine, extra in engines.items():
+        out = tmp_path / engine
+        run(load_config([*ov, *extra, f"engine={engine}", f"output_dir={out}"], config_name="train"), out,
+            echo=lambda *_: None)
+        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
+    return losses

@@ -214,11 +214,12 @@ def test_resuming_a_checkpoint_from_before_whole_row_packing_says_why(base_overr
     state = json.loads((last / "state.json").read_text())
     from lazytrain.recipes.train import DATA_PACKING
 
-    assert state["data_packing"] == DATA_PACKING == 3
+    assert state["data_packing"] == DATA_PACKING == 4
     # as the code before wrote it: no record (1: rows cut at fixed edges) or 2 (rows attending to
     # the rows before them), and another dataset fingerprint
     for record, why in ((None, "its rows cut at fixed sequence edges"),
-                        (2, "its packed rows attending to the rows before them in a sequence")):
+                        (2, "its packed rows attending to the rows before them in a sequence"),
+                        (3, "a row's first token, where learned, the target of the row before it")):
         if record is None:
             state.pop("data_packing", None)
         else:

@@ -25,36 +25,29 @@ def test_the_plan_of_packed_rows_counts_their_masks(base_overrides, tmp_path, ca
         assert json.loads((out / "plan.json").read_text())["job"]["packed_rows"] is rows
     capsys.readouterr()
     for extra, said in ((["data.prompt_field=prompt", "job.packed_rows=false"],
-                         "job.packed_rows=false but the data is prompt/completion or chat rows"),
+                         "job.packed_rows=false but the data is prompt/completion or chat rows, packed several to a "
+                         "sequence: job.packed_rows follows the data"),
                         (["job.packed_rows=true"], "job.packed_rows=true but the data is not packed rows (text, or "
-                                                   "data.pack_rows=false)")):
+                                                   "data.pack_rows=false)"),
+                        # (0 == False and 1 == True: data.pack_rows=0 packed: review)
+                        (["data.prompt_field=prompt", "data.pack_rows=0"],
+                         "data.pack_rows must be auto, true or false, got 0"),
+                        (["data.prompt_field=prompt", "data.pack_rows=1"],
+                         "data.pack_rows must be auto, true or false, got 1")):
         out = tmp_path / "never"
         assert cli.main([*common, *extra, f"output_dir={out}"]) == 2
         err = capsys.readouterr().err.strip()
-        assert said in err and "job.packed_rows follows the data" in err, err
+        assert said in err, err
         assert len(err.splitlines()) == 1 and not out.exists()
 
 
 def test_packed_rows_train_alike_on_the_executor_and_plain_pytorch(base_overrides, tmp_path):
     """Several rows to a sequence (seq_len 128): the streamed executor's per-step and held-out
     losses are plain PyTorch's, both handing the rows' position ids to the model."""
-    from lazytrain.cli.config import load_config
-    from lazytrain.recipes.train import run
+    from recipe_helpers import packed_sft_losses
 
-    sft = tmp_path / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
-                           for i in range(60)))
-    ov = [a for a in base_overrides if not a.startswith("data.files")] + [
-        f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion", "job.seq_len=128",
-        "job.max_steps=3", "save_every=0", "data.eval_fraction=0.2", "eval_every=3"]
-    losses = {}
-    for engine in ("torch", "lazytrain"):
-        out = tmp_path / engine
-        extra = ["hardware.device_memory_gib=0.004", "hardware.workspace_gib=0.0001"] if engine == "lazytrain" else []
-        run(load_config([*ov, *extra, f"engine={engine}", f"output_dir={out}"], config_name="train"), out,
-            echo=lambda *_: None)
-        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
+    losses = packed_sft_losses(base_overrides, tmp_path, {
+        "torch": [], "lazytrain": ["hardware.device_memory_gib=0.004", "hardware.workspace_gib=0.0001"]})
     assert len(losses["torch"]) == 4
     assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
 

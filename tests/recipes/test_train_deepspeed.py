@@ -144,18 +144,8 @@ def test_deepspeed_trains_packed_rows_as_plain_pytorch(base_overrides, tmp_path)
     msg = check_available()
     if msg:
         pytest.skip(msg)
-    sft = tmp_path / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
-                           for i in range(60)))
-    ov = [a for a in base_overrides if not a.startswith("data.files")] + [
-        f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion", "job.seq_len=128",
-        "job.max_steps=3", "save_every=0", "data.eval_fraction=0.2", "eval_every=3"]
-    losses = {}
-    for engine in ("torch", "deepspeed"):
-        out = tmp_path / engine
-        run(load_config([*ov, f"engine={engine}", f"output_dir={out}"], config_name="train"), out,
-            echo=lambda *_: None)
-        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
+    from recipe_helpers import packed_sft_losses
+
+    losses = packed_sft_losses(base_overrides, tmp_path, {"torch": [], "deepspeed": []})
     assert len(losses["torch"]) == 4
     assert losses["deepspeed"] == pytest.approx(losses["torch"], rel=1e-4)
