@@ -215,8 +215,8 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
             # saves that, in every block given one (sliding window, packed rows; measured on the
             # CPU device: [batch, 1, seq, seq] per block, its own each), and transformers repeats
-            # k and v to every query head first (no
-            # enable_gqa with a mask), which are what SDPA saves: (heads - kv heads) x head_dim more
+            # k and v to every query head first (no enable_gqa with a mask), which are what SDPA
+            # saves: (heads - kv heads) x head_dim more
             act += job.batch_size * job.seq_len * job.seq_len * cb
             act += tokens * 2 * (model.num_heads - model.num_kv_heads) * model.head_dim * cb
         if spec.kind == "block" and not full and cb == 2:

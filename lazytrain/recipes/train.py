@@ -890,10 +890,9 @@ def resume_state(cfg: DictConfig, engine, ckpt_root: Path, ds: PackedDataset, pr
 SCHEDULE_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "max_steps")
 # How masked rows are packed into sequences, recorded in checkpoints: 4 (2026-12-02, later still) as
 # 3 with no row's first token learned (the target of the row before it, which it cannot see);
-# 3 (2026-12-02, later) as 2 with
-# position ids per row, so that each attends only to itself; 2 (2026-12-02) packs each
-# prompt/completion or chat row whole (data.dataset._pack_rows); 1 (unrecorded) cut the token stream
-# at fixed edges. Text data is packed alike in all.
+# 3 (2026-12-02, later) as 2 with position ids per row, so that each attends only to itself;
+# 2 (2026-12-02) packs each prompt/completion or chat row whole (data.dataset._pack_rows); 1
+# (unrecorded) cut the token stream at fixed edges. Text data is packed alike in all.
 DATA_PACKING = 4
 SETTING_NAMES = {"lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "min_lr_ratio": "optim.min_lr_ratio",
                  "max_steps": "job.max_steps", "batch_size": "job.batch_size", "grad_accum": "job.grad_accum"}
