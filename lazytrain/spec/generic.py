@@ -34,7 +34,8 @@ from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count
 
 # transformers' `layer_types` of blocks without softmax attention (no seq x seq term)
 NO_SOFTMAX_ATTENTION = ("linear_attention", "mamba", "conv", "mlp", "moe")
-TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "experts_per_token")
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "experts_per_token",
+              "moe_k", "moe_topk")   # (ERNIE-4.5-MoE's, Hunyuan-MoE's: refused before; review)
 
 
 def spec_from_structure(cfg: dict, name: str | None) -> ModelSpec:
@@ -214,7 +215,10 @@ def _materialise_context(parts) -> None:
         for sub in mod.modules():
             init = getattr(sub, "rope_init_fn", None)
             if init is not None and isinstance(getattr(sub, "inv_freq", None), torch.Tensor):
-                inv, _ = init(sub.config, "cpu")
+                try:
+                    inv, _ = init(sub.config, "cpu")
+                except TypeError:   # (PhiMoE's takes the config alone: a traceback from `plan`; review)
+                    inv, _ = init(sub.config)
                 sub.inv_freq = inv
                 if hasattr(sub, "original_inv_freq"):
                     sub.original_inv_freq = inv
@@ -345,7 +349,9 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         active = params
         if experts:
             E = int(experts[0][1].shape[0])
-            k = next((int(cfg[key]) for key in TOP_K_KEYS if isinstance(cfg.get(key), int)), 0)
+            # (a list: one per layer, Hunyuan-MoE's moe_topk; its first)
+            ks = ((v[0] if isinstance(v, list) and v else v) for v in (cfg.get(key) for key in TOP_K_KEYS))
+            k = next((int(v) for v in ks if isinstance(v, int) and not isinstance(v, bool)), 0)
             if not 1 <= k <= E:
                 raise ModelConfigError(f"model_type {family!r}: block {i} holds {E} experts but the config "
                                        f"names no top-k in 1..{E} (looked for {', '.join(TOP_K_KEYS)})")

@@ -292,8 +292,12 @@ def _build(cfg: dict, name: str | None) -> ModelSpec:
     if "model_type" not in cfg:
         raise ModelConfigError("config is missing required keys: model_type")
     family = cfg["model_type"]
-    if family not in FAMILIES:
-        # no formulas for it: measured from the model transformers builds (spec/generic.py)
+    attn = cfg.get("attn_implementation", cfg.get("_attn_implementation"))
+    if family not in FAMILIES or (attn is not None and not str(attn).startswith(("sdpa", "flash"))):
+        # no formulas for it: measured from the model transformers builds (spec/generic.py); so is
+        # a family with formulas configured for another attention than SDPA's (eager: its
+        # probabilities saved per token x sequence; the formulas planned a Llama so 3.5x under its
+        # peak: review)
         from .generic import spec_from_structure
 
         return spec_from_structure(cfg, name)

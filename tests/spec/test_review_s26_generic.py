@@ -49,3 +49,29 @@ def test_stride0_experts_measure_as_full_ones(family, monkeypatch):
     monkeypatch.setattr(generic, "_real_copy", _full_copy)
     full = generic._measure(dict(cfg), None)
     assert light.layers == again.layers == full.layers
+
+
+def test_families_a_review_found_unplannable_plan():
+    """PhiMoE's rotary init takes the config alone (a traceback from `plan`); ERNIE-4.5-MoE names
+    its top-k moe_k (refused: no top-k)."""
+    from lazytrain.spec import ModelSpec
+
+    base = dict(BASE, max_position_embeddings=512)
+    phimoe = ModelSpec.from_hf_config(dict(base, model_type="phimoe", num_local_experts=4, num_experts_per_tok=2,
+                                           bos_token_id=1, eos_token_id=2))
+    assert [b.experts_per_token for b in phimoe.layers if b.kind == "block"] == [2, 2]
+    ernie = ModelSpec.from_hf_config(dict(base, model_type="ernie4_5_moe", moe_num_experts=8, moe_k=2,
+                                          moe_intermediate_size=32))
+    assert [b.experts_per_token for b in ernie.layers if b.kind == "block"][-1] == 2
+
+
+def test_a_formula_family_configured_eager_is_measured():
+    """attn_implementation=eager on a Llama: the formulas (SDPA's) planned it 3.5x under its
+    measured peak (review); it is measured instead, with its probabilities per token x sequence."""
+    from lazytrain.spec import ModelSpec
+
+    cfg = dict(BASE, model_type="llama", max_position_embeddings=512)
+    sdpa = ModelSpec.from_hf_config(cfg)
+    eager = ModelSpec.from_hf_config(dict(cfg, attn_implementation="eager"))
+    assert all(b.saved_bytes_per_token_per_seq == 0 for b in sdpa.layers)
+    assert all(b.saved_bytes_per_token_per_seq > 0 for b in eager.layers if b.kind == "block")
