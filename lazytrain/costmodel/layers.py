@@ -233,6 +233,8 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             k = max(1, spec.experts_per_token)
             bwd_tr = tokens * (2 * model.hidden_size * 4 + 3 * inter * k * cb)
             bwd_tr += int(EAGER_ATTN_BWD_FACTOR * tokens * job.seq_len * spec.saved_bytes_per_token_per_seq * cb // 2)
+            if spec.index - 1 in masks:   # (the additive mask SDPA makes again in the backward, on the device
+                bwd_tr += job.batch_size * job.seq_len * job.seq_len * cb   # whatever tier its saved copy is on)
             if spec.experts_per_token > 1:
                 # Routed experts: their backward holds tokens x k x hidden tensors (the gathered
                 # inputs' and outputs' gradients), up to 7 of them at once in the compute dtype at
