@@ -663,18 +663,18 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
             later += int(learn[acc + seq_len:acc + n].sum())
         acc += n
     k = torch.tensor(size, dtype=torch.long)
+    dst_t = torch.tensor(dst, dtype=torch.long)
     total = int(k.sum())
     within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(k, 0) - k, k)
     s_idx = torch.repeat_interleave(torch.tensor(src, dtype=torch.long), k) + within
-    d_idx = torch.repeat_interleave(torch.tensor(dst, dtype=torch.long), k) + within
+    d_idx = torch.repeat_interleave(dst_t, k) + within
     out = torch.full((windows * seq_len,), pad_id, dtype=tokens.dtype)
     mask = torch.zeros(windows * seq_len, dtype=torch.bool)
     out[d_idx], mask[d_idx] = tokens[s_idx], learn[s_idx]
     # positions: the index within each piece; in each window's padding, from 0 after its last piece
     pos = torch.arange(windows * seq_len, dtype=torch.int32) % seq_len
     ends = torch.zeros(windows, dtype=torch.long)   # where each window's padding starts
-    ends.scatter_reduce_(0, torch.tensor(dst, dtype=torch.long) // seq_len,
-                         torch.tensor(dst, dtype=torch.long) % seq_len + k, reduce="amax")
+    ends.scatter_reduce_(0, dst_t // seq_len, dst_t % seq_len + k, reduce="amax")
     pos -= torch.repeat_interleave(ends, seq_len).to(torch.int32)
     pos[d_idx] = within.to(torch.int32)
     # A piece's first token is no target: a continuation's context token (learned in the window

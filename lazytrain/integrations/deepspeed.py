@@ -256,9 +256,8 @@ class DeepSpeedTrainer:
         try:
             with torch.no_grad():
                 dev = self.engine.device
-                return float(lm_loss(self.engine, input_ids.to(dev), labels.to(dev),
-                                     getattr(self.engine.module, "config", None),
-                                     None if position_ids is None else position_ids.to(dev)))
+                return float(lm_loss(self.engine, input_ids, labels, getattr(self.engine.module, "config", None),
+                                     position_ids, dev))
         finally:
             self.engine.train()
 

@@ -5,7 +5,8 @@ miss that finds the expert here copies it back (a memcpy / host->device `copy_` 
 and frees its host slot (a full tier swaps: the device slot's evicted expert takes that host slot).
 Why exclusive rather than inclusive: on a CPU device "device" and "host" are the same RAM, so an
 inclusive tier would hold copies of experts the device slots already have and add no capacity;
-exclusive, device + host slots hold that many *distinct* experts, which is what cuts NVMe reads. On CUDA the price is one device->host copy per eviction (PCIe, far faster than the NVMe read it
+exclusive, device + host slots hold that many *distinct* experts, which is what cuts NVMe reads.
+On CUDA the price is one device->host copy per eviction (PCIe, far faster than the NVMe read it
 saves later). NVMe reads land in the device slot (through the I/O worker's pinned staging buffer on
 CUDA) and reach this tier when they are evicted.
 

@@ -77,13 +77,15 @@ def _stats(res: Any) -> StepStats:
 # ---- engine=torch: plain PyTorch ---------------------------------------------------------------
 
 def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-            config: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+            config: Any = None, position_ids: torch.Tensor | None = None,
+            device: torch.device | str | None = None) -> torch.Tensor:
     """`model(input_ids, labels=labels).loss` without a MoE router's auxiliary loss (which a config
-    with output_router_logits adds to it): the language-model loss evaluation reports. `config`:
-    the HF config, when `model` is a wrapper (DeepSpeed's engine) that does not carry it."""
+    with output_router_logits adds to it): the language-model loss evaluation reports, the inputs
+    moved to `device`. `config`: the HF config, when `model` is a wrapper (DeepSpeed's engine)
+    that does not carry it."""
     cfg = config if config is not None else getattr(model, "config", None)
     extra = {"output_router_logits": False} if getattr(cfg, "output_router_logits", False) else {}
-    return model(**model_inputs(input_ids, labels, position_ids), **extra).loss
+    return model(**model_inputs(input_ids, labels, position_ids, device), **extra).loss
 
 
 class TorchEngine:
@@ -185,8 +187,7 @@ class TorchEngine:
         self.model.eval()
         try:
             with torch.no_grad(), torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
-                return float(lm_loss(self.model, input_ids.to(self.device), labels.to(self.device),
-                                     position_ids=None if position_ids is None else position_ids.to(self.device)))
+                return float(lm_loss(self.model, input_ids, labels, position_ids=position_ids, device=self.device))
         finally:
             self.model.train()
 

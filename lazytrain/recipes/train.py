@@ -405,8 +405,7 @@ def evaluate(engine, data: PackedDataset, batch_size: int, limit: int | None) ->
     for b in data.ordered_batches(batch_size, limit):
         n = learned_targets(b.labels)
         if n:
-            total += (engine.eval_loss(b.input_ids, b.labels) if b.position_ids is None else
-                      engine.eval_loss(b.input_ids, b.labels, b.position_ids)) * n
+            total += engine.eval_loss(b.input_ids, b.labels, b.position_ids) * n
             count += n
     return total / count if count else float("nan")
 

@@ -1148,7 +1148,7 @@ class StreamingExecutor:
         backward, and the modules run in eval mode (dropout off). The language-model loss alone (a
         MoE router's auxiliary loss is a training term). Between steps only."""
         self._check_open("eval_loss")
-        micro_batch_parts((ids, labels) if position_ids is None else (ids, labels, position_ids), "eval_loss")
+        micro_batch_parts((ids, labels, position_ids), "eval_loss")
         if self._synced:
             self._rebind()
         ids, labels = ids.to(self.device), labels.to(self.device)

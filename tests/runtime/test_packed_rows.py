@@ -11,19 +11,16 @@ import pytest
 import torch
 
 from lazytrain.runtime import StreamingExecutor
-from lazytrain.runtime.testing import GradCapture, hand_plan, plan_families, rel_err, tiny_model
+from lazytrain.runtime.testing import GradCapture, hand_plan, plan_families, random_batches, rel_err, tiny_model
 
 FAMILIES = ["llama", "qwen2", "mixtral"]
 
 
 def packed_batches(n_micro: int, seed: int, batch: int = 2, seq: int = 12, vocab: int = 128):
-    """(input_ids, labels, position_ids) micro-batches: each sequence 2-4 rows of random lengths."""
-    g = torch.Generator().manual_seed(seed)
+    """`random_batches` with position ids: each sequence 2-4 rows of random lengths."""
+    g = torch.Generator().manual_seed(seed + 1000)
     out = []
-    for _ in range(n_micro):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        labels = ids.clone()
-        labels[:, :2] = -100
+    for ids, labels in random_batches(n_micro, seed, batch=batch, seq=seq, vocab=vocab):
         pos = torch.empty(batch, seq, dtype=torch.long)
         for b in range(batch):
             cuts = sorted(torch.randperm(seq - 2, generator=g)[:int(torch.randint(1, 4, (1,), generator=g))] + 1)
