@@ -45,6 +45,12 @@ class LayerCost:
     # the head only: its bytes on the device when its weight gradient is made (the last op of its
     # backward), without that gradient; see plan.ops.head_peak_bytes
     bwd_tail_bytes: int = 0
+    # what a block's forward holds at its worst beyond what it saves (measured specs; the
+    # families' formulas have none): plan.assignment.Segment.working_bytes, simulate's forward
+    fwd_transient_bytes: int = 0
+    # a block's backward with its saved activations brought back (host, NVMe tiers): the executor
+    # holds them all until it ends; None: as bwd_transient_bytes
+    bwd_offloaded_transient_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,8 +158,20 @@ _LORA_WARNED: "weakref.WeakValueDictionary[tuple, ModelSpec]" = weakref.WeakValu
 # softmax (its input's and output's gradients) and in the compute dtype around the matmuls. Fitted
 # on Gemma 2 (eager, head_dim 32, 4 and 8 heads, batch 1-2, seq 256-1024, op temporaries counted,
 # acts-on-host plans): the peak above the plan grew with the sequence, 1.15-1.30x at 1.0 without
-# this term, 1.017x at 1024 tokens with 1.25; 1.5 gives 0.93-0.96 (2026-12-02 review).
+# this term, 1.017x at 1024 tokens with 1.25; 1.5 gives 0.93-0.96 (2026-12-02 review). Used only
+# where a measured block's transients were not measured (a spec saved before they were, a block
+# whose backward did not run in the measure): one factor did not fit every eager attention
+# (GPT-OSS 1.14-1.35x its plan, Gemma 2's device plans at 0.84-0.87).
 EAGER_ATTN_BWD_FACTOR = 1.5
+
+
+def transient_bytes(terms: tuple[tuple[int, int, int], ...], batch: int, seq: int, cb: int) -> int:
+    """The largest of a measured block's transient terms (constant, per token, per token x
+    sequence; measured in bf16: scaled to the compute dtype as saved activations are) for `batch`
+    sequences of `seq` tokens; never below 0."""
+    tokens = batch * seq
+    worst = max((c * (batch if c > 0 else 1) + a * tokens + b * tokens * seq for c, a, b in terms), default=0)
+    return max(0, worst) * cb // 2
 
 
 def sliding_window_active(model: ModelSpec, job: JobSpec) -> bool:
@@ -182,6 +200,19 @@ def explicit_mask_bytes(model: ModelSpec, job: JobSpec) -> int:
     blocks = masked_blocks(model, job)
     kinds = {i in model.sliding_blocks for i in blocks}
     return len(kinds) * job.batch_size * job.seq_len * job.seq_len
+
+
+def step_context_bytes(model: ModelSpec, job: JobSpec) -> int:
+    """What the blocks' shared arguments hold for the whole step: measured specs' masks and rotary
+    tables (spec/generic.py: per sequence, times the batch), where the measure found no mask the
+    explicit ones the sliding window or packed rows bring; the families' masks (their rotary tables
+    are in the workspace)."""
+    if not model.context_bytes_terms:
+        return explicit_mask_bytes(model, job)
+    c, a, b = model.context_bytes_terms
+    measured = max(0, job.batch_size * (c + a * job.seq_len + b * job.seq_len * job.seq_len))
+    # (an eager attention's model builds its masks at every length: those are the measured ones)
+    return measured + (explicit_mask_bytes(model, job) if b <= 0 else 0)
 
 
 def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
@@ -227,7 +258,16 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             # that slack, not found yet.
             act += tokens * max(0, lora_saved_delta_per_token(spec, model.hidden_size, job.lora_rank,
                                                               job.lora_targets))
-        if spec.kind == "block":
+        fwd_tr, bwd_off = 0, None
+        if spec.kind == "block" and spec.bwd_transient_terms:
+            # measured (spec/generic.py: the block's own ops, op by op, at three lengths)
+            bwd_tr = transient_bytes(spec.bwd_transient_terms, job.batch_size, job.seq_len, cb)
+            bwd_off = transient_bytes(spec.bwd_offloaded_transient_terms, job.batch_size, job.seq_len, cb)
+            fwd_tr = transient_bytes(spec.fwd_transient_terms, job.batch_size, job.seq_len, cb)
+            if spec.index - 1 in masks:   # (measured without a mask: the one made again, below)
+                mask = job.batch_size * job.seq_len * job.seq_len * cb
+                bwd_tr, bwd_off = bwd_tr + mask, bwd_off + mask
+        elif spec.kind == "block":
             inter = max((lin.out_features for lin in spec.linears if lin.name.endswith("up_proj")),
                         default=model.intermediate_size)
             k = max(1, spec.experts_per_token)
@@ -281,6 +321,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             / flops,
             act_bytes=act, boundary_in_bytes=bnd if spec.kind != "embed" else 0,
             bwd_transient_bytes=bwd_tr, bwd_tail_bytes=tail if spec.kind == "head" else 0,
+            fwd_transient_bytes=fwd_tr, bwd_offloaded_transient_bytes=bwd_off,
             optimizer_s=trainable * opt_traffic_per_param / hw.host_memory_bytes_per_s,
         ))
 
@@ -290,7 +331,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
     # Gradients are not static: a layer's weight grads are on the device from its backward until
     # they have left (the executor keeps at most two layers' in flight; one on a CPU device, where
     # they leave inline); plan/ops.grads_in_flight.
-    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + explicit_mask_bytes(model, job)
+    device_static = hw.workspace_bytes + lora_bytes + 2 * bnd + step_context_bytes(model, job)
     return JobCosts(
         layers=tuple(out), num_blocks=model.num_layers, grad_accum=job.grad_accum,
         tokens_per_micro_batch=tokens, device_static_bytes=device_static,

@@ -333,6 +333,14 @@ def block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
     return [kwargs] * len(parts.blocks)
 
 
+def context_tensors(kw: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """The distinct tensors (by storage) the blocks' arguments hold: masks, rotary tables, shared
+    by the blocks; what the executor counts as the step's context."""
+    return list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
+                 for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+                 if isinstance(t, torch.Tensor)}.values())
+
+
 def _per_block_kwargs(parts: DecoderParts, batch: int, seq: int, dtype: torch.dtype,
                       device: torch.device, attention_mask: torch.Tensor | None,
                       pos: dict[str, torch.Tensor]) -> list[dict[str, Any]]:

@@ -29,9 +29,16 @@ class Segment:
     def working_bytes(self, costs) -> int:
         """Transient device bytes while this segment's backward runs (beyond what it keeps)."""
         last = costs.layers[self.e]
+        # (a block's forward, the first time or recomputed, holds at most what its segment's backward
+        # holds with this: the forward windows need no bound of their own)
+        fwd = max(costs.layers[j].fwd_transient_bytes for j in range(self.s + 1, self.e + 1))
         if self.mode == STORE:
-            return last.bwd_transient_bytes
-        return sum(costs.layers[j].act_bytes for j in range(self.s + 1, self.e + 1)) + last.bwd_transient_bytes
+            bwd = last.bwd_transient_bytes
+            if self.tier != "device" and last.bwd_offloaded_transient_bytes is not None:
+                bwd = last.bwd_offloaded_transient_bytes   # (brought back: held to its backward's end)
+            return max(bwd, fwd)
+        return sum(costs.layers[j].act_bytes for j in range(self.s + 1, self.e + 1)) + \
+            max(last.bwd_transient_bytes, fwd)
 
 
 @dataclass(frozen=True)

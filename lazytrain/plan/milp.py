@@ -162,7 +162,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
          for (s, e, m) in cand for t in seg_tiers[(s, e, m)]}
 
     kept = {c: Segment(*c, "device").kept_bytes(costs) for c in cand}
-    work = {c: Segment(*c, "device").working_bytes(costs) for c in cand}
+    work = {(*c, t): Segment(*c, t).working_bytes(costs) for c in cand for t in seg_tiers[c]}
     # flow: one path 0 -> L
     for b in range(L + 1):
         out_ = pulp.lpSum(v for (s, e, m, t), v in x.items() if s == b)
@@ -305,7 +305,7 @@ def solve_milp(costs: JobCosts, hw: HardwareSpec, *, max_segment_len: int = 8, d
     prob += P >= base + grads_in_flight(costs, 0, 0) / GiB, "peak_embed_bwd"
     for b in range(L):
         # its kept item is on the device in its backward whatever its tier (kept there, or back)
-        starting = pulp.lpSum((kept[(s, e, m)] + work[(s, e, m)]
+        starting = pulp.lpSum((kept[(s, e, m)] + work[(s, e, m, t)]
                                + grads_in_flight(costs, s + 1, e)) / GiB * v
                               for (s, e, m, t), v in x.items() if s == b)
         prob += P >= base + D[b] + starting, f"peak_{b}"

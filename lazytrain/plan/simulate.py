@@ -186,6 +186,7 @@ def memory_peaks(costs: JobCosts, a: Assignment, depth: int) -> tuple[dict[str, 
             # a recomputed layer's forward, and an offloaded one's, has its activations on the
             # device while it computes (never above its segment's backward window: no MILP row)
             transient = layers[j].act_bytes if seg.mode == RECOMPUTE or seg.tier != "device" else 0
+            transient += layers[j].fwd_transient_bytes
             curve.append((fwd_window(L, j), static + held + transient))
     curve.append((fwd_window(L, L + 1), static + ahead + held + head_peak_bytes(costs)))
     for seg in reversed(a.segments):  # backward

@@ -32,10 +32,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss, micro_batch_parts,
-                              embedding_backward_reads_weights, find_parts, head_loss, probe_forward,
-                              rng_states, router_aux, router_aux_enabled, run_block, run_block_routed,
-                              set_rng_states)
+from ..models.adapter import (DecoderParts, RouterAux, block_kwargs, check_chunked_loss, context_tensors,
+                              embedding_backward_reads_weights, find_parts, head_loss, micro_batch_parts,
+                              probe_forward, rng_states, router_aux, router_aux_enabled, run_block,
+                              run_block_routed, set_rng_states)
 from ..plan.plan import Plan
 from ..spec.model import experts_implementation
 from ..storage.aligned_io import InlinePool, IOPool, aligned_empty, round_up
@@ -855,9 +855,7 @@ class StreamingExecutor:
     def _hold_step_context(self, kw: list[dict]) -> list[torch.Tensor]:
         """Count the tensors the blocks' arguments hold (masks, rotary tables; shared by all
         blocks) as device memory until `_end_micro_batch`; returns them."""
-        ctx = list({t.untyped_storage().data_ptr(): t for d in {id(d): d for d in kw}.values()
-                    for v in d.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
-                    if isinstance(t, torch.Tensor)}.values())
+        ctx = context_tensors(kw)
         ctx_bytes = sum(t.untyped_storage().nbytes() for t in ctx)
         # (recorded once counted: a refused placement is not counted, and what is recorded is freed)
         self._mb_held = {"ctx": 0, "live": 0, "rl": {}}

@@ -197,7 +197,9 @@ def planned_device_peak(model, plan: Plan) -> int:
     from ..plan.solve import assignment_of
     from ..spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(model.config.to_dict(), name="tiny")
+    # (the attention the model runs: to_dict() leaves out one given when it was built)
+    cfg = {**model.config.to_dict(), "attn_implementation": model.config._attn_implementation}
+    spec = ModelSpec.from_hf_config(cfg, name="tiny")
     costs = job_costs(spec, plan.hardware, plan.job)
     return memory_peaks(costs, assignment_of(plan), plan.options.prefetch_depth)[0]["device"]
 

@@ -12,8 +12,17 @@ eight families): measured from the model itself, not modelled.
   step's shared arguments (rotary tables, masks; the step context holds those). The two lengths
   separate what grows per token from what grows per token x sequence (an eager attention's
   probabilities). A Llama config measured this way comes within a few % of its family's formula
-  (tests/spec/test_generic_spec.py). Costs one block's weights in memory and two short forwards
-  (seconds for a 70B-class block); cached per config for the process.
+  (tests/spec/test_generic_spec.py);
+- what a block holds beyond that, at the worst moment of its forward and of its backward (the ops'
+  outputs, op by op, with a dispatch mode: an eager attention's fp32 scores and softmax, their
+  gradients), is measured at three shorter lengths and kept as constant / per token / per token x
+  sequence terms per moment, which give the same bytes at any longer length
+  (tests/spec/test_measured_transients.py); so are the step's shared arguments (an eager model's
+  [S, S] mask). Blocks with a chunked scan (Mamba, linear attention, convolutions) keep the cost
+  model's formulas: their memory is not polynomial in the length.
+Costs one block's weights in memory, two short forwards and three short forward+backward passes
+(~6 s for a 104B Cohere config's block, 4 s before the transients were measured); cached per
+config for the process.
 - the head (final norm, lm_head, loss) is the families' (the structure finder has checked that the
   model's loss is exactly that).
 
@@ -29,6 +38,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 
 from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count
 
@@ -36,6 +46,7 @@ from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count
 NO_SOFTMAX_ATTENTION = ("linear_attention", "mamba", "conv", "mlp", "moe")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "experts_per_token",
               "moe_k", "moe_topk")   # (ERNIE-4.5-MoE's, Hunyuan-MoE's: refused before; review)
+log = logging.getLogger(__name__)
 
 
 def spec_from_structure(cfg: dict, name: str | None) -> ModelSpec:
@@ -276,10 +287,127 @@ def _saved_bytes(real, kwargs: dict, hidden: int, seq: int) -> int:
     return sum(seen.values())
 
 
+def _allocations_mode(events: list):
+    """A dispatch mode writing down, in order, every storage an op makes (an output sharing no
+    storage with the op's inputs) as (key, +bytes) and its death as (key, -bytes): what a device
+    allocator's peak would see of the ops' own memory. Scratch an op frees before it returns
+    stays invisible (as in runtime.accountant.OpTemporaries). `mode.live`: id(storage) -> key."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..runtime.accountant import _tensors
+
+    class Allocations(TorchDispatchMode):
+        live: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            inputs = None
+            for t in _tensors(out):
+                st = t.untyped_storage()
+                if not st.data_ptr() or id(st) in self.live:
+                    continue
+                if inputs is None:
+                    inputs = {id(a.untyped_storage()) for a in (*_tensors(args), *_tensors(kwargs.values()))}
+                if id(st) not in inputs:
+                    self.track(st)
+            return out
+
+        def track(self, st) -> None:
+            key, nb, sid = len(events), st.nbytes(), id(st)
+
+            def dead(_ref, key=key, nb=nb, sid=sid, live=self.live):
+                events.append((key, -nb))
+                if live.get(sid, (None,))[0] == key:
+                    del live[sid]
+
+            events.append((key, nb))
+            self.live[sid] = (key, weakref.ref(st, dead))
+
+    mode = Allocations()
+    mode.live = {}
+    return mode
+
+
+def _excess_curves(real, kwargs: dict, hidden: int, seq: int) -> tuple[list[int], list[int], list[int]]:
+    """What block `real` (a `_real_copy`) holds above its saved activations, op by op, on [1, seq]
+    tokens: in its forward (the ops' outputs alive, less what the forward leaves saved); in its
+    backward with its saved activations freed as autograd frees them (kept on the device, or
+    recomputed); and in its backward with them alive to the end (brought back from the host or
+    NVMe: the executor holds a layer's fetched activations for its whole backward). None counts
+    the block's output, its input's gradient (the planner's boundaries) nor weight gradients (its
+    gradients in flight). Only the input and the vectors (norms' weights, biases: their
+    gradients' products per token are real temporaries) are differentiated: a weight matrix's
+    gradient is one matmul's output, which is not counted, and made it cost the whole block's size
+    again in memory (a 104B Cohere config: 6.4 GB and 9 s to plan, 3.4 GB and 4 s before)."""
+    import torch
+
+    from ..models.adapter import run_block
+
+    events: list = []
+    mode = _allocations_mode(events)
+    saved: set = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ent = mode.live.get(id(t.untyped_storage()))
+        if ent is not None:
+            saved.add(ent[0])
+        return t
+
+    x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_block(real, x, kwargs)
+    n_fwd = len(events)
+    grad_out = torch.zeros_like(out)
+    out_key = mode.live.get(id(out.untyped_storage()), (None,))[0]
+    wrt = [x] + [p for p in real.parameters() if p.requires_grad and p.dim() < 2]
+    with mode:
+        grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+        del out
+    skip = {out_key} | {mode.live[id(g.untyped_storage())][0] for g in grads
+                        if g is not None and id(g.untyped_storage()) in mode.live}
+    del grads
+    fwd, bwd, held, live, kept = [], [], [], 0, 0
+    for i, (key, nb) in enumerate(events):
+        if key in skip:
+            nb = 0
+        live += nb
+        if i < n_fwd:
+            fwd.append(live)
+        else:
+            if nb < 0 and key in saved:
+                kept -= nb
+            bwd.append(live)
+            held.append(live + kept)
+    end = fwd[-1] if fwd else 0   # (what the forward left: the saved activations it made)
+    return [v - end for v in fwd], [v - end for v in bwd], [v - end for v in held]
+
+
+def _transient_terms(curves: list[list[int]], lengths: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Each point of a curve measured at three sequence lengths as constant + per token x S +
+    per token x S x S bytes (exact for what is made per token and per token pair), the points no
+    other exceeds in every term. () where the runs made different numbers of allocations."""
+    if len({len(c) for c in curves}) != 1 or not curves[0]:
+        return ()
+    s0, s1, s2 = lengths
+    pts = set()
+    for e0, e1, e2 in zip(*curves):
+        # e(S) = c + a S + b S^2 through the three points (divided differences)
+        d01, d12 = (e1 - e0) / (s1 - s0), (e2 - e1) / (s2 - s1)
+        b = (d12 - d01) / (s2 - s0)
+        a = d01 - b * (s0 + s1)
+        c = e0 - a * s0 - b * s0 * s0
+        pts.add((round(c), round(a), round(b)))
+    keep = [p for p in pts if not any(q != p and all(qi >= pi for qi, pi in zip(q, p)) for q in pts)]
+    return tuple(sorted(keep))
+
+
 def _measure(cfg: dict, name: str | None) -> ModelSpec:
     import torch
 
-    from ..models.adapter import ModelStructureError, block_kwargs, find_parts
+    from ..models.adapter import ModelStructureError, block_kwargs, context_tensors, find_parts
 
     family = cfg["model_type"]
     config, model = _build_meta(cfg)
@@ -312,9 +440,11 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     # two lengths below any attention window (past it the cost model adds the explicit mask itself)
     s2 = 64 if not window or window > 64 else max(2, window - 1)
     s1 = max(1, s2 // 2)
+    s0 = s1 // 2   # (a third for what a block holds beyond what it saves: constant, x S, x S^2)
+    lengths = (s0, s1, s2) if s0 >= 2 else ()
     _materialise_context(parts)
     try:
-        kw = {s: block_kwargs(parts, 1, s, torch.bfloat16, torch.device("cpu")) for s in (s1, s2)}
+        kw = {s: block_kwargs(parts, 1, s, torch.bfloat16, torch.device("cpu")) for s in {s1, s2, *lengths}}
     except (ModelStructureError, ValueError, TypeError, RuntimeError, NotImplementedError) as e:
         # (Bamba's loop unpacks two values from each block: a bare "not enough values to unpack"
         # from `plan`, a traceback from `train`: review)
@@ -322,6 +452,10 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                                f"with its blocks stood in on the meta device ({type(e).__name__}: "
                                f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
 
+    # the step's context (masks, rotary tables: the executor holds them for the whole step),
+    # measured at each length: an eager attention's model builds its mask whatever the length
+    ctx = {s: sum(t.untyped_storage().nbytes() for t in context_tensors(kw[s])) for s in kw}
+    context_terms = _transient_terms([[ctx[s]] for s in lengths], lengths) if lengths else ()
     numel = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
     layers = [LayerSpec(name="embed", kind="embed", index=0, param_count=numel(parts.embed),
                         active_param_count=numel(parts.embed), matmul_flops_fwd_per_token=0,
@@ -367,17 +501,38 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         if kind not in measured:
             real = _real_copy(block)   # (one copy for both lengths)
             b1, b2 = (_saved_bytes(real, kw[s][i], H, s) for s in (s1, s2))
-            del real
             quad = max(0, round((b2 / s2 - b1 / s1) / (s2 - s1))) if s2 > s1 else 0
-            measured[kind] = (max(0, round(b1 / s1 - quad * s1)), quad)
-        per_token, per_token_seq = measured[kind]
+            fwd = bwd = held = ()
+            # (a recurrent or linear-attention block's chunked scan pads the sequence to its chunk
+            # size: what it holds is not polynomial in the length, and three short lengths, all
+            # within one chunk, extrapolated Falcon-H1's to 0.37-0.44 of what it holds at 1024
+            # tokens: those keep the formulas' terms)
+            if lengths and types[i] not in NO_SOFTMAX_ATTENTION and not any(
+                    isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules()):
+                try:
+                    curves = [_excess_curves(real, kw[s][i], H, s) for s in lengths]
+                except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                    # (the formulas' terms then: a block whose backward cannot run here fails
+                    # at training time with the real error)
+                    log.warning("model_type %r: block %d's backward could not be measured (%s: %s); "
+                                "its transient memory is estimated", family, i, type(e).__name__,
+                                str(e).splitlines()[0][:160] if str(e) else "")
+                else:
+                    fwd = _transient_terms([c[0] for c in curves], lengths)
+                    bwd = _transient_terms([c[1] for c in curves], lengths)
+                    held = _transient_terms([c[2] for c in curves], lengths)
+            del real
+            measured[kind] = (max(0, round(b1 / s1 - quad * s1)), quad, fwd, bwd, held)
+        per_token, per_token_seq, fwd_terms, bwd_terms, held_terms = measured[kind]
         layers.append(LayerSpec(
             name=f"block.{i}", kind="block", index=i + 1, param_count=params, active_param_count=active,
             matmul_flops_fwd_per_token=2 * matmul,
             attn_flops_fwd_per_token_per_seq=0 if types[i] in NO_SOFTMAX_ATTENTION else 2 * nh * hd,
             saved_bytes_per_token={"measured": per_token}, linears=tuple(linears),
             num_experts=E, experts_per_token=k, expert_param_count=expert_params,
-            saved_bytes_per_token_per_seq=per_token_seq))
+            saved_bytes_per_token_per_seq=per_token_seq,
+            fwd_transient_terms=fwd_terms, bwd_transient_terms=bwd_terms,
+            bwd_offloaded_transient_terms=held_terms))
     tied = bool(parts.tied)
     norm_params = numel(parts.norm)
     head_params = norm_params + (0 if tied else numel(parts.head))
@@ -395,4 +550,5 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         intermediate_size=int(inter) if isinstance(inter, int) and inter > 0 else 4 * H,
         max_position_embeddings=_count(std, "max_position_embeddings", 4096),
         tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
-        sliding_window=window, sliding_blocks=sliding)
+        sliding_window=window, sliding_blocks=sliding,
+        context_bytes_terms=context_terms[0] if context_terms else ())

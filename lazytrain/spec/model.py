@@ -86,6 +86,14 @@ class LayerSpec:
     # saved for backward per token x sequence length (an eager attention's probabilities; measured
     # specs only, spec/generic.py: the families' formulas have none)
     saved_bytes_per_token_per_seq: int = 0
+    # bytes a block holds beyond what it saves, at the worst moments of its forward and of its
+    # backward (its saved activations freed as autograd frees them; or all alive to the end, as
+    # when they were brought back from the host): (constant, per token, per token x sequence)
+    # terms, the largest of which applies (measured specs only, spec/generic.py; () where not
+    # measured: the cost model's formulas)
+    fwd_transient_terms: tuple[tuple[int, int, int], ...] = ()
+    bwd_transient_terms: tuple[tuple[int, int, int], ...] = ()
+    bwd_offloaded_transient_terms: tuple[tuple[int, int, int], ...] = ()
 
     def flops_fwd(self, tokens: int, seq_len: int) -> float:
         return tokens * (self.matmul_flops_fwd_per_token
@@ -119,6 +127,9 @@ class ModelSpec:
     # seq, seq] mask (and repeats k/v to every head for SDPA), which the cost model counts
     sliding_window: int | None = None
     sliding_blocks: tuple[int, ...] = ()   # the blocks (0-based) that use it
+    # what the blocks' shared arguments (masks, rotary tables) take for one sequence of S tokens:
+    # (constant, x S, x S^2) bytes (measured specs only, spec/generic.py)
+    context_bytes_terms: tuple[int, ...] = ()
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -170,9 +181,13 @@ class ModelSpec:
     # ---- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:
         d = asdict(self)
+        if not d["context_bytes_terms"]:
+            del d["context_bytes_terms"]
         for ld in d["layers"]:   # (absent where 0: the families' specs, and their plans' hashes, as before)
-            if not ld["saved_bytes_per_token_per_seq"]:
-                del ld["saved_bytes_per_token_per_seq"]
+            for key in ("saved_bytes_per_token_per_seq", "fwd_transient_terms", "bwd_transient_terms",
+                        "bwd_offloaded_transient_terms"):
+                if not ld[key]:
+                    del ld[key]
             for lin in ld["linears"]:   # (likewise: absent where True)
                 if lin.get("lora", True):
                     lin.pop("lora", None)
@@ -184,9 +199,13 @@ class ModelSpec:
         layers = []
         for ld in d.pop("layers"):
             ld["linears"] = tuple(Linear(**lin) for lin in ld["linears"])
+            for key in ("fwd_transient_terms", "bwd_transient_terms", "bwd_offloaded_transient_terms"):
+                if key in ld:
+                    ld[key] = tuple(tuple(t) for t in ld[key])
             layers.append(LayerSpec(**ld))
-        if "sliding_blocks" in d:
-            d["sliding_blocks"] = tuple(d["sliding_blocks"])
+        for key in ("sliding_blocks", "context_bytes_terms"):
+            if key in d:
+                d[key] = tuple(d[key])
         return cls(layers=tuple(layers), **d)
 
     @classmethod

@@ -1,0 +1,95 @@
+"""What a measured block holds beyond its saved activations (spec/generic.py): fitted at three
+short lengths op by op, the terms give the same bytes as the block measured at a long length."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lazytrain.costmodel.layers import transient_bytes
+from lazytrain.models.adapter import block_kwargs, context_tensors, find_parts
+from lazytrain.spec import ModelSpec
+from lazytrain.spec import generic
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=4096, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+CASES = {
+    "gemma2": dict(head_dim=16, sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4096),
+    "olmo2": dict(attn_implementation="eager"),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16),
+}
+
+
+def _direct(cfg: dict, seq: int):
+    """Each block's curves and the step context, measured at `seq` tokens."""
+    _, model = generic._build_meta(dict(cfg))
+    parts = find_parts(model)
+    generic._materialise_context(parts)
+    kw = block_kwargs(parts, 1, seq, torch.bfloat16, torch.device("cpu"))
+    ctx = sum(t.untyped_storage().nbytes() for t in context_tensors(kw))
+    return [generic._excess_curves(generic._real_copy(b), kw[i], parts.hidden_size, seq)
+            for i, b in enumerate(parts.blocks)], ctx
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_terms_fitted_on_short_lengths_give_a_long_length_exactly(family):
+    cfg = {"model_type": family, **BASE, **CASES[family]}
+    spec = ModelSpec.from_hf_config(dict(cfg), name=family)
+    curves, ctx = _direct(cfg, 384)
+    for i, (fwd, bwd, held) in enumerate(curves):
+        layer = spec.layers[i + 1]
+        assert layer.bwd_transient_terms, layer.name
+        got = [transient_bytes(t, 1, 384, 2) for t in (layer.fwd_transient_terms, layer.bwd_transient_terms,
+                                                       layer.bwd_offloaded_transient_terms)]
+        assert got == [max(0, max(fwd)), max(0, max(bwd)), max(0, max(held))], (layer.name, got)
+        # (brought back, saved activations stay to the backward's end: never less)
+        assert got[2] >= got[1]
+    c, a, b = spec.context_bytes_terms
+    assert c + a * 384 + b * 384 * 384 == ctx
+
+
+def test_an_eager_attentions_backward_grows_with_the_sequence():
+    """The term the fitted EAGER_ATTN_BWD_FACTOR stood for: per token x sequence in the backward."""
+    cfg = {"model_type": "gpt_oss", **BASE, **CASES["gpt_oss"]}
+    layer = ModelSpec.from_hf_config(cfg, name="x").layers[1]
+    assert max(b for _, _, b in layer.bwd_transient_terms) > 0
+    assert max(b for _, _, b in layer.fwd_transient_terms) > 0
+    # an eager model builds its [S, S] mask at every length: measured as the step's context
+    assert ModelSpec.from_hf_config(cfg, name="x").context_bytes_terms[2] > 0
+
+
+def test_chunked_scan_blocks_keep_the_formulas():
+    """Mamba-style blocks pad the sequence to their chunk: three lengths within one chunk
+    extrapolated Falcon-H1's transients to 0.37-0.44 of what they are at 1024 tokens."""
+    cfg = {"model_type": "falcon_h1", **BASE}
+    spec = ModelSpec.from_hf_config(cfg, name="x")
+    assert all(not lay.bwd_transient_terms and not lay.fwd_transient_terms for lay in spec.blocks)
+    cfg = {"model_type": "qwen3_next", **BASE, "num_experts": 4, "num_experts_per_tok": 2,
+           "layer_types": ["linear_attention", "full_attention"]}
+    spec = ModelSpec.from_hf_config(cfg, name="x")
+    assert not spec.layers[1].bwd_transient_terms and spec.layers[2].bwd_transient_terms
+
+
+def test_terms_need_the_same_allocations_at_every_length():
+    assert generic._transient_terms([[1, 2], [1, 2, 3], [1, 2]], (8, 16, 32)) == ()
+    # each point's c + a S + b S^2 recovered; a point another exceeds in every term dropped
+    curves = [[5 + 3 * s + 2 * s * s, 1 + s, 7 * s] for s in (8, 16, 32)]   # (one curve per length)
+    assert generic._transient_terms(curves, (8, 16, 32)) == ((0, 7, 0), (5, 3, 2))
+
+
+def test_the_terms_travel_with_the_spec_and_formula_specs_are_unchanged():
+    cfg = {"model_type": "gpt_oss", **BASE, **CASES["gpt_oss"]}
+    spec = ModelSpec.from_hf_config(cfg, name="x")
+    again = ModelSpec.from_json(spec.to_json())
+    assert again == spec and again.to_json() == spec.to_json()
+    assert again.layers[1].bwd_offloaded_transient_terms == spec.layers[1].bwd_offloaded_transient_terms
+    llama = ModelSpec.from_hf_config({"model_type": "llama", **BASE}, name="y")
+    text = json.loads(llama.to_json())
+    assert "context_bytes_terms" not in text
+    assert not any(k in lay for lay in text["layers"]
+                   for k in ("fwd_transient_terms", "bwd_transient_terms", "bwd_offloaded_transient_terms"))
