@@ -259,6 +259,12 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             act += tokens * max(0, lora_saved_delta_per_token(spec, model.hidden_size, job.lora_rank,
                                                               job.lora_targets))
         fwd_tr, bwd_off = 0, None
+        # An attention given an explicit mask (sliding window past it, packed rows) or run eagerly
+        # (a measured spec saving its probabilities) computes the whole [seq, seq] square: the
+        # FLOPs count the causal half, the other half is this
+        square = 0
+        if spec.kind == "block" and (spec.index - 1 in masks or spec.saved_bytes_per_token_per_seq > 0):
+            square = tokens * job.seq_len * spec.attn_flops_fwd_per_token_per_seq
         if spec.kind == "block" and spec.bwd_transient_terms:
             # measured (spec/generic.py: the block's own ops, op by op, at three lengths)
             bwd_tr = transient_bytes(spec.bwd_transient_terms, job.batch_size, job.seq_len, cb)
@@ -314,9 +320,9 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             param_bytes=stream_params * cb, param_store_bytes=spec.param_count * cb,
             trainable_params=trainable, grad_device_bytes=(trainable + borrowed_grad) * cb,
             grad_store_bytes=trainable * min(4, job.master_bytes), optimizer_bytes=int(trainable * opt_per_param),
-            fwd_s=spec.flops_fwd(tokens, job.seq_len) / flops,
+            fwd_s=(spec.flops_fwd(tokens, job.seq_len) + square) / flops,
             # (the chunked loss's backward recomputes every chunk's logits: the head's forward again)
-            bwd_s=(spec.flops_bwd(tokens, job.seq_len, weight_grads=full)
+            bwd_s=(spec.flops_bwd(tokens, job.seq_len, weight_grads=full) + 2 * square
                    + (spec.flops_fwd(tokens, job.seq_len) if spec.kind == "head" and job.loss_chunk_tokens else 0))
             / flops,
             act_bytes=act, boundary_in_bytes=bnd if spec.kind != "embed" else 0,
