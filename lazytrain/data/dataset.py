@@ -691,6 +691,19 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
     return out, mask, pos
 
 
+def _document_positions(sequences: torch.Tensor, sep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids (int32) restarting at 0 after each `sep` token within each of `sequences`
+    ([N, S]), and which tokens are learned: all but a document's first token after another's end
+    in the same sequence (the target of the other document's last token, which cannot see it)."""
+    N, S = sequences.shape
+    idx = torch.arange(S).expand(N, S)
+    start = torch.zeros(N, S, dtype=torch.bool)
+    start[:, 1:] = sequences[:, :-1] == sep
+    start[:, 0] = True
+    last = torch.cummax(torch.where(start, idx, 0), dim=1).values
+    return (idx - last).to(torch.int32), ~(start & (idx > 0))
+
+
 @dataclass(frozen=True)
 class Batch:
     input_ids: torch.Tensor   # [B, S] int64
@@ -714,11 +727,15 @@ class PackedDataset:
     row is then packed whole where it fits a sequence, never split between two, and its batches
     carry position ids that keep each row's attention to itself (`_pack_rows`); `pack=False`: one
     row per sequence (then no position ids: nothing to keep apart).
+    `doc_sep`: text (no `rows`) whose documents each end with this token (EOS): every document
+    then attends only to itself within a sequence (position ids restarting after each one, as
+    Megatron's reset_position_ids/reset_attention_mask), and a document's first token is not
+    learned from the one before it (`_document_positions`).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0,
                  learn: torch.Tensor | None = None, rows: torch.Tensor | None = None, pad_id: int = 0,
-                 pack: bool = True) -> None:
+                 pack: bool = True, doc_sep: int | None = None) -> None:
         if seq_len < 2:   # (1 left no target after the shift: NaN losses; review)
             raise DataError(f"seq_len must be >= 2 (a token to predict the next from), got {seq_len}")
         positions = None
@@ -731,6 +748,12 @@ class PackedDataset:
         if n == 0:
             raise DataError(f"the data holds {tokens.numel()} tokens, fewer than one sequence of "
                             f"seq_len={seq_len}; add data or lower job.seq_len")
+        if doc_sep is not None and rows is None:
+            if learn is not None:
+                raise DataError("doc_sep is for text streams: they have no learn mask")
+            positions, learn = _document_positions(tokens[: n * seq_len].view(n, seq_len), doc_sep)
+            positions, learn = positions.view(-1), learn.view(-1)
+            tokens = tokens[: n * seq_len]
         self.seq_len = seq_len
         self.seed = seed
         # the stream's end, short of a whole sequence, is not used (reported with an evaluation)
@@ -936,7 +959,7 @@ def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
 def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: int = 0,
                   text_field: str = "text", cache_dir: str | Path | None = None,
                   prompt_field: str | None = None, messages_field: str | None = None,
-                  add_bos: bool | str = "auto", pack_rows: bool = True) -> PackedDataset:
+                  add_bos: bool | str = "auto", pack_rows: bool = True, doc_mask: bool = False) -> PackedDataset:
     """Tokenize (or load the cached tokens of) `files` and pack them into `seq_len` sequences.
 
     `prompt_field`: JSONL prompt/completion rows, learning only the completions (module doc).
@@ -946,6 +969,8 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
     `cache_dir`: the token streams are cached there as safetensors, keyed by `_cache_key`.
     `pack_rows`: several prompt/completion or chat rows to a sequence, each attending only to
     itself (False: one row per sequence, for a model that cannot keep them apart).
+    `doc_mask`: text documents packed into one sequence each attend only to themselves (position
+    ids restarting after each document's EOS; PackedDataset's doc_sep).
     """
     if prompt_field and messages_field:
         raise DataError(f"data.prompt_field={prompt_field!r} and data.messages_field={messages_field!r} are "
@@ -981,7 +1006,10 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
         raise DataError(f"the data files ({', '.join(str(p) for p in paths[:3])}"
                         f"{', ...' if len(paths) > 3 else ''}) hold no text")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if doc_mask and masked:
+        raise DataError("doc_mask is for text documents: prompt/completion and chat rows are kept apart "
+                        "by pack_rows")
     ds = PackedDataset(tokens, seq_len, seed, learn=data.get("learn"), rows=data.get("rows"), pad_id=pad or 0,
-                       pack=pack_rows)
+                       pack=pack_rows, doc_sep=tokenizer.eos_token_id if doc_mask else None)
     ds.files = tuple(paths)
     return ds

@@ -115,11 +115,14 @@ def job_spec_of(cfg: DictConfig) -> tuple[JobSpec, int]:
         pack = cfg.data.get("pack_rows", "auto")
         if not (isinstance(pack, bool) or pack == "auto"):   # (0 == False: `data.pack_rows=0` packed)
             raise ConfigError(f"data.pack_rows must be auto, true or false, got {pack!r}")
-        rows = bool(cfg.data.get("prompt_field") or cfg.data.get("messages_field")) and pack is not False
+        masked = bool(cfg.data.get("prompt_field") or cfg.data.get("messages_field"))
+        docs = doc_mask_of(cfg)
+        rows = (masked and pack is not False) or docs
         given = d.get("packed_rows")
         if given is not None and given != rows:
             raise ConfigError(f"job.packed_rows={str(given).lower()} but the data is "
-                              + ("prompt/completion or chat rows, packed several to a sequence" if rows else
+                              + ("prompt/completion or chat rows, packed several to a sequence" if rows and masked
+                                 else "text documents kept apart (data.doc_mask=true)" if rows else
                                  "not packed rows (text, or data.pack_rows=false)")
                               + ": job.packed_rows follows the data (leave it out, or job.packed_rows=null)")
         d["packed_rows"] = rows
@@ -328,6 +331,17 @@ def preflight(cfg: DictConfig) -> Preflight:
     return Preflight(mspec, hw, job, max_steps, plan, files, tok_dir, tokenizer, ds, notes, ds_over, eval_ds)
 
 
+def doc_mask_of(cfg: DictConfig) -> bool:
+    """data.doc_mask: text documents packed into one sequence each attend only to themselves."""
+    v = cfg.data.get("doc_mask", False)
+    if not isinstance(v, bool):   # (0/1, "yes": not a switch a typo should flip)
+        raise ConfigError(f"data.doc_mask must be true or false, got {v!r}")
+    if v and (cfg.data.get("prompt_field") or cfg.data.get("messages_field")):
+        raise ConfigError("data.doc_mask=true is for text documents: prompt/completion and chat rows are kept "
+                          "apart by data.pack_rows; drop data.doc_mask")
+    return v
+
+
 def packing_for(cfg: DictConfig, mspec: ModelSpec, job: JobSpec) -> JobSpec:
     """`job` with packed_rows False where the model cannot keep rows packed into one sequence apart
     (spec.generic.packed_rows_problem: GPT-OSS's mask ignores the position ids, Mamba-like blocks
@@ -341,6 +355,10 @@ def packing_for(cfg: DictConfig, mspec: ModelSpec, job: JobSpec) -> JobSpec:
     why = packed_rows_problem(dict(mspec.hf_config))
     if why is None:
         return job
+    if doc_mask_of(cfg):   # (no sequence of its own for each document: they are cut at fixed lengths)
+        raise ConfigError(f"data.doc_mask=true: documents packed into one sequence would see each other in "
+                          f"{mspec.family} ({why}); set data.doc_mask=false (documents then attend to the "
+                          f"ones before them in their sequence, as in GPT-style pretraining)")
     if cfg.data.get("pack_rows", "auto") is True:
         raise ConfigError(f"data.pack_rows=true: rows packed into one sequence would see each other in "
                           f"{mspec.family} ({why}); data.pack_rows=auto or false gives each row a sequence "
@@ -361,7 +379,8 @@ def dataset_of(cfg: DictConfig, files, tokenizer, seq_len: int, pack_rows: bool 
     fields = {k: str(d.get(k)) if d.get(k) else None for k in ("prompt_field", "messages_field")}
     return build_dataset(files, tokenizer, seq_len, seed=int(cfg.seed), text_field=str(d.text_field),
                          cache_dir=Path(str(cache)).expanduser() if cache else None,
-                         add_bos=d.get("add_bos", "auto"), pack_rows=pack_rows, **fields)
+                         add_bos=d.get("add_bos", "auto"), pack_rows=pack_rows, doc_mask=doc_mask_of(cfg),
+                         **fields)
 
 
 def eval_split(cfg: DictConfig, ds: PackedDataset, tokenizer, seq_len: int, pack_rows: bool = True
