@@ -59,3 +59,30 @@ def packed_sft_losses(base_overrides: list[str], tmp_path: Path, engines: dict[s
         recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
         losses[engine] = [r["loss"] for r in recs] + [r["eval_loss"] for r in recs if "eval_loss" in r]
     return losses
+
+
+def assert_refused_in_one_line(main, overrides: list[str], cases, out: Path, capsys, alone: bool = True) -> None:
+    """Each (extra overrides, what the error says) of `cases` exits 2 with that line and writes
+    nothing to `out`; `alone`: nothing else on stderr (False: libraries may warn first, e.g.
+    transformers on a model config it builds for the first time)."""
+    for extra, said in cases:
+        capsys.readouterr()
+        assert main([*overrides, *extra, f"output_dir={out}"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines and said in lines[-1], lines
+        assert (len(lines) == 1 or not alone) and not out.exists()
+
+
+def tiny_gpt_oss_dir(tmp_path: Path) -> Path:
+    """A local GPT-OSS model dir (vocab 320): a model whose masks ignore the position ids."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=256, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gptoss")
+    return tmp_path / "gptoss"

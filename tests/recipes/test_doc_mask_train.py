@@ -6,6 +6,7 @@ import json
 import pytest
 
 from lazytrain.cli import train as cli
+from recipe_helpers import assert_refused_in_one_line, tiny_gpt_oss_dir
 
 
 def _losses(out):
@@ -42,33 +43,18 @@ def test_documents_kept_apart_train_alike_on_the_executor_and_plain_pytorch(base
 def test_bad_doc_mask_settings_are_one_line(base_overrides, tmp_path, capsys):
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Q{i}", "completion": f" A{i}."}) + "\n" for i in range(20)))
-    for extra, said in ((["data.doc_mask=1"], "data.doc_mask must be true or false, got 1"),
-                        ([f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion",
-                          "data.doc_mask=true"], "data.doc_mask=true is for text documents"),
-                        (["data.doc_mask=true", "job.packed_rows=false"],
-                         "job.packed_rows=false but the data is text documents kept apart (data.doc_mask=true)")):
-        out = tmp_path / "never"
-        assert cli.main([*base_overrides, *extra, f"output_dir={out}"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert said in err, err
-        assert len(err.splitlines()) == 1 and not out.exists()
+    assert_refused_in_one_line(cli.main, base_overrides, (
+        (["data.doc_mask=1"], "data.doc_mask must be true or false, got 1"),
+        ([f"data.files=[{sft}]", "data.prompt_field=prompt", "data.text_field=completion", "data.doc_mask=true"],
+         "data.doc_mask=true is for text documents"),
+        (["data.doc_mask=true", "job.packed_rows=false"],
+         "job.packed_rows=false but the data is text documents kept apart (data.doc_mask=true)")),
+        tmp_path / "never", capsys)
 
 
 def test_a_model_that_cannot_keep_documents_apart_is_refused(base_overrides, tmp_path, capsys):
     """GPT-OSS builds its masks without the position ids: documents would see each other."""
-    import torch
-    import transformers
-
-    cfg = transformers.AutoConfig.for_model(
-        "gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=256, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gptoss")
-    ov = [a for a in base_overrides if not a.startswith("model")] + [f"model.path={tmp_path / 'gptoss'}"]
-    out = tmp_path / "never"
-    assert cli.main([*ov, "data.doc_mask=true", f"output_dir={out}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "data.doc_mask=true: documents packed into one sequence would see each other in gpt_oss" in err, err
-    assert not out.exists()
+    ov = [a for a in base_overrides if not a.startswith("model")] + [f"model.path={tiny_gpt_oss_dir(tmp_path)}"]
+    assert_refused_in_one_line(cli.main, ov, [(["data.doc_mask=true"], "data.doc_mask=true: documents packed into "
+                                               "one sequence would see each other in gpt_oss")],
+                               tmp_path / "never", capsys, alone=False)

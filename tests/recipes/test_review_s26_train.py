@@ -5,6 +5,7 @@ import json
 import pytest
 
 from lazytrain.cli import train as cli
+from recipe_helpers import assert_refused_in_one_line, tiny_gpt_oss_dir
 
 
 def _sft(tmp_path):
@@ -34,11 +35,7 @@ def test_the_plan_of_packed_rows_counts_their_masks(base_overrides, tmp_path, ca
                          "data.pack_rows must be auto, true or false, got 0"),
                         (["data.prompt_field=prompt", "data.pack_rows=1"],
                          "data.pack_rows must be auto, true or false, got 1")):
-        out = tmp_path / "never"
-        assert cli.main([*common, *extra, f"output_dir={out}"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert said in err, err
-        assert len(err.splitlines()) == 1 and not out.exists()
+        assert_refused_in_one_line(cli.main, common, [(extra, said)], tmp_path / "never", capsys)
 
 
 def test_packed_rows_train_alike_on_the_executor_and_plain_pytorch(base_overrides, tmp_path):
@@ -59,19 +56,10 @@ def test_a_model_that_cannot_keep_packed_rows_apart_gets_a_sequence_per_row(base
     warning, on every engine alike; data.pack_rows=true refuses it in one line."""
     import logging
 
-    import torch
-    import transformers
-
     from lazytrain.cli.config import load_config
     from lazytrain.recipes.train import run
 
-    cfg = transformers.AutoConfig.for_model(
-        "gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=256, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gptoss")
+    tiny_gpt_oss_dir(tmp_path)
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Q{i}: what is {i} plus one?", "completion": f" {i + 1}."}) + "\n"
                            for i in range(40)))
@@ -93,7 +81,5 @@ def test_a_model_that_cannot_keep_packed_rows_apart_gets_a_sequence_per_row(base
         losses[engine] = [r["loss"] for r in recs]
     assert losses["lazytrain"] == pytest.approx(losses["torch"], rel=1e-5)
     capsys.readouterr()
-    assert cli.main([*ov, "data.pack_rows=true", f"output_dir={tmp_path / 'never'}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "data.pack_rows=true: rows packed into one sequence would see each other in gpt_oss" in err, err
-    assert len(err.splitlines()) == 1 and not (tmp_path / "never").exists()
+    assert_refused_in_one_line(cli.main, ov, [(["data.pack_rows=true"], "data.pack_rows=true: rows packed into one "
+                                               "sequence would see each other in gpt_oss")], tmp_path / "never", capsys)
