@@ -242,6 +242,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
         act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
         act += tokens * job.seq_len * spec.saved_bytes_per_token_per_seq * cb // 2   # (measured specs)
+        act += job.batch_size * spec.saved_bytes_per_sequence * cb // 2
         if spec.kind == "block" and spec.index - 1 in masks:
             # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
             # saves that, in every block given one (sliding window, packed rows; measured on the

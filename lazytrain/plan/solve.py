@@ -223,7 +223,8 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, job: JobSpec, options: Planne
     lines = explain_plan(plan, costs, tl)
     if model.family not in FAMILIES:
         lines.append(f"model costs measured, not from formulas (no formulas for {model.family}: "
-                     f"spec/generic.py); measured device peaks have been 0.72-0.96 of such plans', none above")
+                     f"spec/generic.py); measured device peaks have been 0.72-0.99 of such plans' "
+                     f"(bf16; fp32 jobs and LoRA lower)")
     return replace(plan, explanation=tuple(lines))
 
 

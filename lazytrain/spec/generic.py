@@ -7,24 +7,28 @@ eight families): measured from the model itself, not modelled.
 - parameters are counted per layer; the linear layers (and 3-D expert weights) give the matmul
   FLOPs and the LoRA targets;
 - what a block saves for backward is measured: one block of each kind (type and parameter shapes)
-  is made for real once in bf16 on the CPU with zero weights and run forward at two sequence lengths
+  is made for real once in bf16 on the CPU with zero weights and run forward at three sequence
+  lengths (16, 32, 64 tokens, as if no sliding window reached them: past one the cost model adds
+  SDPA's explicit mask itself, and an eager attention holds the whole square whatever its window)
   with saved-tensor hooks, counting every distinct storage that is neither a weight nor one of the
-  step's shared arguments (rotary tables, masks; the step context holds those). The two lengths
-  separate what grows per token from what grows per token x sequence (an eager attention's
+  step's shared arguments (rotary tables, masks; the step context holds those). The three lengths
+  separate what is saved per sequence, per token and per token x sequence (an eager attention's
   probabilities). A Llama config measured this way comes within a few % of its family's formula
   (tests/spec/test_generic_spec.py);
 - what a block holds beyond that, at the worst moment of its forward and of its backward (the ops'
   outputs, op by op, with a dispatch mode: an eager attention's fp32 scores and softmax, their
-  gradients), is measured at three shorter lengths and kept as constant / per token / per token x
+  gradients), is measured at the same lengths and kept as constant / per token / per token x
   sequence terms per moment, which give the same bytes at any longer length
   (tests/spec/test_measured_transients.py); so are the step's shared arguments (an eager model's
   [S, S] mask). Blocks with a chunked scan (Mamba, linear attention, convolutions) keep the cost
-  model's formulas: their memory is not polynomial in the length.
-Costs one block's weights in memory, two short forwards and three short forward+backward passes
-(~6 s for a 104B Cohere config's block, 4 s before the transients were measured); cached per
-config for the process.
+  model's formulas: their memory is not polynomial in the length;
 - the head (final norm, lm_head, loss) is the families' (the structure finder has checked that the
-  model's loss is exactly that).
+  model's loss is exactly that), but for what the final norm saves, measured (a LayerNorm saves
+  more than an RMSNorm).
+
+Costs one block's weights in memory, three short forwards and three short forward+backward passes
+per kind of block (~6 s for a 104B Cohere config, 4 s before the transients were measured);
+cached per config for the process.
 
 Attention FLOPs: num_attention_heads x head_dim over the whole (causal) sequence for every block
 the config's `layer_types` (transformers' names) does not mark as one without softmax attention
@@ -404,6 +408,36 @@ def _transient_terms(curves: list[list[int]], lengths: tuple[int, ...]) -> tuple
     return tuple(sorted(keep))
 
 
+def _norm_saved_per_token(norm, hidden: int, lengths: tuple[int, ...]) -> int:
+    """Bytes per token the final norm (a `_real_copy`) saves for backward, with its output (what
+    lm_head saves), not counting its input (the last hidden state: a boundary of the plan's)."""
+    import math
+
+    import torch
+
+    real = _real_copy(norm)
+    weights = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    worst = 0.0
+    for seq in lengths:
+        x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+        seen: dict[int, int] = {}
+        alive = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st.data_ptr() not in weights and st.data_ptr() != x.untyped_storage().data_ptr():
+                seen[st.data_ptr()] = st.nbytes()
+                alive.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = real(x)
+        seen[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+        worst = max(worst, sum(seen.values()) / seq)
+        del out, alive
+    return math.ceil(worst)
+
+
 def _measure(cfg: dict, name: str | None) -> ModelSpec:
     import torch
 
@@ -437,14 +471,18 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if any(types) else \
         tuple(range(L)) if window else ()
     window = int(window) if window and sliding else None
-    # two lengths below any attention window (past it the cost model adds the explicit mask itself)
-    s2 = 64 if not window or window > 64 else max(2, window - 1)
-    s1 = max(1, s2 // 2)
-    s0 = s1 // 2   # (a third for what a block holds beyond what it saves: constant, x S, x S^2)
-    lengths = (s0, s1, s2) if s0 >= 2 else ()
+    # Three lengths, each block measured as if no window reached them: with SDPA a window the
+    # sequence reaches brings an explicit mask the cost model adds itself; an eager attention holds
+    # the whole [S, S] square whatever its window. (Measured below the window instead, a window of
+    # 16 left 7 and 15 tokens to fit Gemma 2's probabilities from, 4 bytes per token x sequence
+    # of 24, and one of 8 or less none: plans at 1.3-2.2x their device peak; review.)
+    s0, s1, s2 = lengths = (16, 32, 64)
+    if window:
+        for c in {id(config): config, id(model.config): model.config}.values():
+            c.sliding_window = 1 << 30
     _materialise_context(parts)
     try:
-        kw = {s: block_kwargs(parts, 1, s, torch.bfloat16, torch.device("cpu")) for s in {s1, s2, *lengths}}
+        kw = {s: block_kwargs(parts, 1, s, torch.bfloat16, torch.device("cpu")) for s in lengths}
     except (ModelStructureError, ValueError, TypeError, RuntimeError, NotImplementedError) as e:
         # (Bamba's loop unpacks two values from each block: a bare "not enough values to unpack"
         # from `plan`, a traceback from `train`: review)
@@ -455,7 +493,7 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     # the step's context (masks, rotary tables: the executor holds them for the whole step),
     # measured at each length: an eager attention's model builds its mask whatever the length
     ctx = {s: sum(t.untyped_storage().nbytes() for t in context_tensors(kw[s])) for s in kw}
-    context_terms = _transient_terms([[ctx[s]] for s in lengths], lengths) if lengths else ()
+    context_terms = _transient_terms([[ctx[s]] for s in lengths], lengths)
     numel = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
     layers = [LayerSpec(name="embed", kind="embed", index=0, param_count=numel(parts.embed),
                         active_param_count=numel(parts.embed), matmul_flops_fwd_per_token=0,
@@ -499,15 +537,17 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         kind = (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
                 tuple(sorted((a, tuple(v.shape)) for a, v in kw[s2][i].items() if isinstance(v, torch.Tensor))))
         if kind not in measured:
-            real = _real_copy(block)   # (one copy for both lengths)
-            b1, b2 = (_saved_bytes(real, kw[s][i], H, s) for s in (s1, s2))
-            quad = max(0, round((b2 / s2 - b1 / s1) / (s2 - s1))) if s2 > s1 else 0
+            real = _real_copy(block)   # (one copy for every length)
+            # constant + per token + per token x sequence, exactly (two lengths took a constant
+            # as a negative per token x sequence term: 20 of Gemma 2's 24 bytes; review)
+            ((const, per_tok, quad),) = _transient_terms([[_saved_bytes(real, kw[s][i], H, s)] for s in lengths],
+                                                         lengths)
             fwd = bwd = held = ()
             # (a recurrent or linear-attention block's chunked scan pads the sequence to its chunk
             # size: what it holds is not polynomial in the length, and three short lengths, all
             # within one chunk, extrapolated Falcon-H1's to 0.37-0.44 of what it holds at 1024
             # tokens: those keep the formulas' terms)
-            if lengths and types[i] not in NO_SOFTMAX_ATTENTION and not any(
+            if types[i] not in NO_SOFTMAX_ATTENTION and not any(
                     isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules()):
                 try:
                     curves = [_excess_curves(real, kw[s][i], H, s) for s in lengths]
@@ -522,15 +562,15 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                     bwd = _transient_terms([c[1] for c in curves], lengths)
                     held = _transient_terms([c[2] for c in curves], lengths)
             del real
-            measured[kind] = (max(0, round(b1 / s1 - quad * s1)), quad, fwd, bwd, held)
-        per_token, per_token_seq, fwd_terms, bwd_terms, held_terms = measured[kind]
+            measured[kind] = (max(0, const), max(0, per_tok), max(0, quad), fwd, bwd, held)
+        per_seq, per_token, per_token_seq, fwd_terms, bwd_terms, held_terms = measured[kind]
         layers.append(LayerSpec(
             name=f"block.{i}", kind="block", index=i + 1, param_count=params, active_param_count=active,
             matmul_flops_fwd_per_token=2 * matmul,
             attn_flops_fwd_per_token_per_seq=0 if types[i] in NO_SOFTMAX_ATTENTION else 2 * nh * hd,
             saved_bytes_per_token={"measured": per_token}, linears=tuple(linears),
             num_experts=E, experts_per_token=k, expert_param_count=expert_params,
-            saved_bytes_per_token_per_seq=per_token_seq,
+            saved_bytes_per_token_per_seq=per_token_seq, saved_bytes_per_sequence=per_seq,
             fwd_transient_terms=fwd_terms, bwd_transient_terms=bwd_terms,
             bwd_offloaded_transient_terms=held_terms))
     tied = bool(parts.tied)
@@ -539,9 +579,11 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     layers.append(LayerSpec(
         name="head", kind="head", index=L + 1, param_count=head_params, active_param_count=norm_params + V * H,
         matmul_flops_fwd_per_token=2 * V * H, attn_flops_fwd_per_token_per_seq=0,
-        # as the families' head (spec/model.py): the final norm's fp32 input and output, lm_head's
-        # input and the loss's fp32 log-softmax
-        saved_bytes_per_token={"norm_fp32_in": 4 * H, "norm_out": 2 * H, "lm_head_in": 2 * H, "log_softmax": 4 * V},
+        # the final norm's saves and its output (lm_head's input), measured (Cohere's LayerNorm
+        # saves 1.8x the 8 x hidden bytes of the families' RMSNorm formula: its plans 1% over at
+        # the head's backward; review), and the loss's fp32 log-softmax
+        saved_bytes_per_token={"norm_measured": _norm_saved_per_token(parts.norm, H, lengths),
+                               "log_softmax": 4 * V},
         linears=(Linear("lm_head", H, V),)))
     inter = std.get("intermediate_size")
     return ModelSpec(

@@ -86,6 +86,7 @@ class LayerSpec:
     # saved for backward per token x sequence length (an eager attention's probabilities; measured
     # specs only, spec/generic.py: the families' formulas have none)
     saved_bytes_per_token_per_seq: int = 0
+    saved_bytes_per_sequence: int = 0     # (likewise: what it saves whatever the length, per sequence)
     # bytes a block holds beyond what it saves, at the worst moments of its forward and of its
     # backward (its saved activations freed as autograd frees them; or all alive to the end, as
     # when they were brought back from the host): (constant, per token, per token x sequence)
@@ -184,8 +185,8 @@ class ModelSpec:
         if not d["context_bytes_terms"]:
             del d["context_bytes_terms"]
         for ld in d["layers"]:   # (absent where 0: the families' specs, and their plans' hashes, as before)
-            for key in ("saved_bytes_per_token_per_seq", "fwd_transient_terms", "bwd_transient_terms",
-                        "bwd_offloaded_transient_terms"):
+            for key in ("saved_bytes_per_token_per_seq", "saved_bytes_per_sequence", "fwd_transient_terms",
+                        "bwd_transient_terms", "bwd_offloaded_transient_terms"):
                 if not ld[key]:
                     del ld[key]
             for lin in ld["linears"]:   # (likewise: absent where True)

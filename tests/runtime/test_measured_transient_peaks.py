@@ -22,6 +22,8 @@ FAMILIES = {
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32, sliding_window=64, intermediate_size=128),
     "olmo2": dict(attn_implementation="eager"),
     "gemma2": dict(head_dim=32, sliding_window=64, final_logit_softcapping=None, attn_logit_softcapping=None),
+    "gemma2_w16": dict(head_dim=32, sliding_window=16, final_logit_softcapping=None, attn_logit_softcapping=None),
+    "cohere": dict(logit_scale=1.0),   # (SDPA)
 }
 PLANS = {"host": dict(activation_tier="host"), "device": dict(activation_tier="device"),
          "recompute": dict(segments=[(1, 3)], overrides={"embed": {"activation_tier": "host"}}, activation_tier="host")}
@@ -29,13 +31,18 @@ PLANS = {"host": dict(activation_tier="host"), "device": dict(activation_tier="d
 
 @pytest.mark.parametrize("family,batch,seq,kind", [
     ("gpt_oss", 1, 1024, "host"), ("gpt_oss", 2, 512, "recompute"), ("olmo2", 1, 512, "host"),
-    ("gemma2", 2, 512, "device")])
+    ("gemma2", 2, 512, "device"),
+    # (review: a window of 16 measured 1.55x its plan, its probabilities fitted below the window)
+    ("gemma2_w16", 1, 512, "device"),
+    # (review: 1.01x, at the head's backward: its LayerNorm saves more than RMSNorm's formula)
+    ("cohere", 1, 512, "device")])
 def test_measured_eager_families_stay_within_their_plans(family, batch, seq, kind):
     hf = {**BASE, **FAMILIES[family]}
+    family = family.split("_w")[0]
     cfg = transformers.AutoConfig.for_model(family, **hf)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == ("sdpa" if family == "cohere" else "eager")
     job = JobSpec(batch_size=batch, seq_len=seq, compute_dtype="bf16")
     plan = hand_plan(3, job=job, hardware=hardware_for_tests(), **PLANS[kind])
     planned = planned_device_peak(model, plan)

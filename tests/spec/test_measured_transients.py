@@ -93,3 +93,44 @@ def test_the_terms_travel_with_the_spec_and_formula_specs_are_unchanged():
     assert "context_bytes_terms" not in text
     assert not any(k in lay for lay in text["layers"]
                    for k in ("fwd_transient_terms", "bwd_transient_terms", "bwd_offloaded_transient_terms"))
+
+
+@pytest.mark.parametrize("window", [4, 16, 32])
+def test_a_short_window_is_measured_as_a_long_one(window):
+    """An eager attention holds the whole square whatever its window: Gemma 2 measured below a
+    window of 16 fitted 4 bytes per token x sequence of its 24 (one of 8 or less: nothing
+    measured), and its plans sat at 1.3-2.2x the device peak (review)."""
+    long = ModelSpec.from_hf_config({"model_type": "gemma2", **BASE, **CASES["gemma2"]}, name="x")
+    short = ModelSpec.from_hf_config({"model_type": "gemma2", **BASE, **CASES["gemma2"], "sliding_window": window},
+                                     name="x")
+    assert short.sliding_window == window
+    for a, b in zip(long.blocks, short.blocks):
+        assert (b.saved_bytes_per_token, b.saved_bytes_per_token_per_seq, b.saved_bytes_per_sequence) == \
+            (a.saved_bytes_per_token, a.saved_bytes_per_token_per_seq, a.saved_bytes_per_sequence)
+        assert b.bwd_transient_terms == a.bwd_transient_terms and b.saved_bytes_per_token_per_seq > 0
+
+
+def test_saved_bytes_fit_their_constant_apart():
+    """Three lengths: what a block saves whatever the length is not taken as a negative per
+    token x sequence term (GPT-OSS's sinks, Gemma 2's: 2048 bytes per sequence at these sizes)."""
+    cfg = {"model_type": "gemma2", **BASE, **CASES["gemma2"]}
+    spec = ModelSpec.from_hf_config(cfg, name="x")
+    _, model = generic._build_meta(dict(cfg))
+    parts = find_parts(model)
+    generic._materialise_context(parts)
+    kw = block_kwargs(parts, 1, 384, torch.bfloat16, torch.device("cpu"))
+    got = generic._saved_bytes(generic._real_copy(parts.blocks[0]), kw[0], parts.hidden_size, 384)
+    b = spec.layers[1]
+    assert b.saved_bytes_per_sequence + 384 * b.saved_bytes_per_token["measured"] + \
+        384 * 384 * b.saved_bytes_per_token_per_seq == got
+
+
+def test_the_final_norms_saves_are_measured():
+    """Cohere's LayerNorm saves more than the families' RMSNorm formula (8 x hidden bytes per
+    token): its plans were 1% over at the head's backward (review)."""
+    llama = ModelSpec.from_hf_config({"model_type": "llama", **BASE, "attn_implementation": "eager"}, name="x")
+    cohere = ModelSpec.from_hf_config({"model_type": "cohere", **BASE}, name="y")
+    H = BASE["hidden_size"]
+    rms = llama.layers[-1].saved_bytes_per_token["norm_measured"]
+    assert 8 * H <= rms <= 8 * H + 16   # (the formula's fp32 input, its output, lm_head's input; 1/rms)
+    assert cohere.layers[-1].saved_bytes_per_token["norm_measured"] > 1.5 * rms
