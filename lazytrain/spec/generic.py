@@ -538,17 +538,25 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                 tuple(sorted((a, tuple(v.shape)) for a, v in kw[s2][i].items() if isinstance(v, torch.Tensor))))
         if kind not in measured:
             real = _real_copy(block)   # (one copy for every length)
-            # constant + per token + per token x sequence, exactly (two lengths took a constant
-            # as a negative per token x sequence term: 20 of Gemma 2's 24 bytes; review)
-            ((const, per_tok, quad),) = _transient_terms([[_saved_bytes(real, kw[s][i], H, s)] for s in lengths],
-                                                         lengths)
+            saved = [_saved_bytes(real, kw[s][i], H, s) for s in lengths]
+            # A recurrent or linear-attention block's chunked scan pads the sequence to its chunk
+            # (Mamba-2's 256 tokens): what it saves and holds is not polynomial in the length. Its
+            # saved bytes per token are taken at the short lengths, as if each were a whole
+            # chunk's (4-5x what Falcon-H1 and Qwen3-Next save at 1024 tokens, measured: their
+            # plans safe but large; fitted with a constant per sequence, 1.5-6.5x under), and its
+            # transients are the formulas' (three lengths within one chunk extrapolated
+            # Falcon-H1's to 0.37-0.44 of what it holds at 1024 tokens).
+            chunked = types[i] in NO_SOFTMAX_ATTENTION or any(
+                isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules())
+            if chunked:
+                quad = max(0, round((saved[2] / s2 - saved[1] / s1) / (s2 - s1)))
+                const, per_tok = 0, round(saved[1] / s1 - quad * s1)
+            else:
+                # constant + per token + per token x sequence, exactly (two lengths took a
+                # constant as a negative per token x sequence term: 20 of Gemma 2's 24 bytes; review)
+                ((const, per_tok, quad),) = _transient_terms([[b] for b in saved], lengths)
             fwd = bwd = held = ()
-            # (a recurrent or linear-attention block's chunked scan pads the sequence to its chunk
-            # size: what it holds is not polynomial in the length, and three short lengths, all
-            # within one chunk, extrapolated Falcon-H1's to 0.37-0.44 of what it holds at 1024
-            # tokens: those keep the formulas' terms)
-            if types[i] not in NO_SOFTMAX_ATTENTION and not any(
-                    isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules()):
+            if not chunked:
                 try:
                     curves = [_excess_curves(real, kw[s][i], H, s) for s in lengths]
                 except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
