@@ -52,22 +52,26 @@ def loss_curve(metrics_path: Path, points: int = 8) -> str:
     return "loss curve: " + "  ".join(f"{recs[i]['step']}:{recs[i]['loss']:.2f}" for i in idx)
 
 
-def heldout_loss(final_dir: Path, val_txt: Path, seq_len: int, max_sequences: int = 32) -> float:
-    """Mean loss of the saved model (loaded back with from_pretrained) on held-out documents."""
+def heldout_loss(final_dir: Path, val_txt: Path, seq_len: int, max_sequences: int = 32,
+                 add_bos: bool | str = "auto", doc_mask: bool = False) -> float:
+    """Mean loss per learned token of the saved model (loaded back with from_pretrained) on
+    held-out documents, read as training read its data (BOS; documents kept apart with
+    `doc_mask`, as data.doc_mask: the model then gets their position ids)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ..data.dataset import build_dataset, load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(final_dir)).eval()
-    ds = build_dataset([val_txt], load_tokenizer(final_dir), seq_len, seed=0)
-    n = min(max_sequences, len(ds))
-    losses = []
+    ds = build_dataset([val_txt], load_tokenizer(final_dir), seq_len, seed=0, add_bos=add_bos, doc_mask=doc_mask)
+    total = tokens = 0.0
     with torch.no_grad():
-        for i in range(0, n, 8):
-            x = ds.sequences[i:min(n, i + 8)]
-            losses.append(float(model(input_ids=x, labels=x).loss) * x.shape[0])
-    return sum(losses) / n
+        for b in ds.ordered_batches(8, limit=-(-min(max_sequences, len(ds)) // 8)):
+            pos = {} if b.position_ids is None else {"position_ids": b.position_ids}
+            n = int((b.labels[:, 1:] != -100).sum())
+            total += float(model(input_ids=b.input_ids, labels=b.labels, use_cache=False, **pos).loss) * n
+            tokens += n
+    return total / tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +102,8 @@ def _print_heldout(args: list[str], out: Path) -> None:
     from ..data.corpus import DEMO_CORPUS
     val = Path(str(cfg.data.cache_dir)).expanduser() / DEMO_CORPUS / "val.jsonl"
     if cfg.job.mode == "full" and (out / "final").is_dir() and val.is_file():
-        loss = heldout_loss(out / "final", val, int(cfg.job.seq_len))
+        loss = heldout_loss(out / "final", val, int(cfg.job.seq_len), add_bos=cfg.data.get("add_bos", "auto"),
+                            doc_mask=bool(cfg.data.get("doc_mask", False)))
         vocab = int(cfg.model.hf_config.vocab_size) if cfg.model.get("hf_config") else 0
         ref = f" (uniform guess: ln {vocab} = {math.log(vocab):.2f})" if vocab else ""
         print(f"held-out loss of the saved model on documents never trained on: {loss:.3f}{ref}")

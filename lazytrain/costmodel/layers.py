@@ -186,6 +186,11 @@ def masked_blocks(model: ModelSpec, job: JobSpec) -> frozenset[int]:
     flag: the sliding-window ones once the sequence reaches the window, and with packed rows
     (job.packed_rows: transformers' mask that keeps each row to itself) every block with softmax
     attention."""
+    cfg = model.hf_config
+    if str(cfg.get("attn_implementation", cfg.get("_attn_implementation")) or "").startswith("flash"):
+        # (flash attention takes the window and packed rows' position ids itself: no mask, no
+        # square; transformers builds none for it)
+        return frozenset()
     out = set(model.sliding_blocks) if sliding_window_active(model, job) else set()
     if job.packed_rows:
         out |= {spec.index - 1 for spec in model.layers

@@ -601,9 +601,12 @@ def _pieces(tokenizer, doc: str, chunk_chars: int) -> Iterator[str]:
 
 
 def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
-                   chunk_chars: int = 1 << 16, bos: int | None = None) -> torch.Tensor:
+                   chunk_chars: int = 1 << 16, bos: int | None = None,
+                   docs: list[int] | None = None) -> torch.Tensor:
     """All documents as one 1-D int64 token stream, EOS after each document (unless it ends with
-    one) and `bos`, when given, before it."""
+    one) and `bos`, when given, before it; `docs`, when given, receives each document's length in
+    tokens (where documents begin: not where an EOS is, which may also be a tokenizer's BOS or
+    appear inside a text)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no eos_token; documents cannot be separated")
@@ -619,6 +622,8 @@ def tokenize_files(files: Sequence[Path], tokenizer, text_field: str = "text",
                 ids.insert(start, bos)
             if ids[-1:] != [eos] or len(ids) == start:   # (text that ends with it has one: review)
                 ids.append(eos)
+            if docs is not None:
+                docs.append(len(ids) - start)
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -691,17 +696,21 @@ def _pack_rows(tokens: torch.Tensor, learn: torch.Tensor, rows: torch.Tensor, se
     return out, mask, pos
 
 
-def _document_positions(sequences: torch.Tensor, sep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids (int32) restarting at 0 after each `sep` token within each of `sequences`
-    ([N, S]), and which tokens are learned: all but a document's first token after another's end
-    in the same sequence (the target of the other document's last token, which cannot see it)."""
-    N, S = sequences.shape
-    idx = torch.arange(S).expand(N, S)
-    start = torch.zeros(N, S, dtype=torch.bool)
-    start[:, 1:] = sequences[:, :-1] == sep
-    start[:, 0] = True
-    last = torch.cummax(torch.where(start, idx, 0), dim=1).values
-    return (idx - last).to(torch.int32), ~(start & (idx > 0))
+def _document_positions(docs: torch.Tensor, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the first `n` sequences of `seq_len` tokens of a stream of documents of lengths `docs`:
+    position ids (int32) restarting at 0 where each document begins and with each sequence, and
+    which tokens are learned: all but a document's first token after another's end in the same
+    sequence (the target of the other document's last token, which cannot see it)."""
+    starts = torch.zeros(n * seq_len, dtype=torch.bool)
+    at = torch.cumsum(docs, 0) - docs
+    starts[at[at < n * seq_len]] = True
+    starts = starts.view(n, seq_len)
+    starts[:, 0] = True   # (and a sequence's first token is no target anyway: the shift)
+    idx = torch.arange(seq_len).expand(n, seq_len)
+    last = torch.cummax(torch.where(starts, idx, 0), dim=1).values
+    learn = ~starts
+    learn[:, 0] = True
+    return (idx - last).to(torch.int32), learn
 
 
 @dataclass(frozen=True)
@@ -727,15 +736,15 @@ class PackedDataset:
     row is then packed whole where it fits a sequence, never split between two, and its batches
     carry position ids that keep each row's attention to itself (`_pack_rows`); `pack=False`: one
     row per sequence (then no position ids: nothing to keep apart).
-    `doc_sep`: text (no `rows`) whose documents each end with this token (EOS): every document
-    then attends only to itself within a sequence (position ids restarting after each one, as
-    Megatron's reset_position_ids/reset_attention_mask), and a document's first token is not
-    learned from the one before it (`_document_positions`).
+    `docs`: the lengths of a text stream's documents (no `rows`): every document then attends
+    only to itself within a sequence (position ids restarting where each begins, as Megatron's
+    reset_position_ids/reset_attention_mask), and a document's first token is not learned from
+    the one before it (`_document_positions`).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0,
                  learn: torch.Tensor | None = None, rows: torch.Tensor | None = None, pad_id: int = 0,
-                 pack: bool = True, doc_sep: int | None = None) -> None:
+                 pack: bool = True, docs: torch.Tensor | None = None) -> None:
         if seq_len < 2:   # (1 left no target after the shift: NaN losses; review)
             raise DataError(f"seq_len must be >= 2 (a token to predict the next from), got {seq_len}")
         positions = None
@@ -748,16 +757,15 @@ class PackedDataset:
         if n == 0:
             raise DataError(f"the data holds {tokens.numel()} tokens, fewer than one sequence of "
                             f"seq_len={seq_len}; add data or lower job.seq_len")
-        if doc_sep is not None and rows is None:
-            if learn is not None:
-                raise DataError("doc_sep is for text streams: they have no learn mask")
-            positions, learn = _document_positions(tokens[: n * seq_len].view(n, seq_len), doc_sep)
-            positions, learn = positions.view(-1), learn.view(-1)
-            tokens = tokens[: n * seq_len]
         self.seq_len = seq_len
         self.seed = seed
         # the stream's end, short of a whole sequence, is not used (reported with an evaluation)
         self.tail_tokens = tokens.numel() - n * seq_len
+        if docs is not None and rows is None:
+            if learn is not None or int(docs.sum()) != tokens.numel():
+                raise DataError("the document lengths do not add up to the token stream (or it has a learn mask)")
+            positions, learn = (t.view(-1) for t in _document_positions(docs, n, seq_len))
+            tokens = tokens[: n * seq_len]
         self.files: tuple[Path, ...] = ()   # what it was read from (build_dataset sets it)
         self.sequences = tokens[: n * seq_len].view(n, seq_len)  # [N, S]
         self.positions = None if positions is None else positions[: n * seq_len].view(n, seq_len)
@@ -901,7 +909,9 @@ def _cache_key(paths: Sequence[Path], tokenizer, text_field: str, prompt_field: 
     # v3: keyed by the whole tokenizer and per-file framing; v4: text that starts with the BOS
     # string gets no second BOS (data.add_bos, 2026-12-01): such documents' tokens changed
     # v5: a text file's BOM is no longer tokenized (2026-12-01)
-    put(b"lazytrain-tokens-v6")   # v6: no second EOS after text ending with one; row lengths (2026-12-02)
+    # v6: no second EOS after text ending with one; row lengths (2026-12-02); v7: text documents'
+    # lengths (data.doc_mask, 2026-12-02)
+    put(b"lazytrain-tokens-v7")
     put(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
     for name, content in _tokenizer_files(tokenizer):
         put(name.encode())
@@ -940,11 +950,12 @@ def _read_cache(path: Path, names: set[str]) -> dict[str, torch.Tensor] | None:
         with safe_open(str(path), "pt") as f:
             want = (f.metadata() or {}).get("sha256")
         data = load_file(str(path))
-        if set(data) != names or any(t.dim() != 1 or (k != "rows" and t.shape != data["tokens"].shape)
+        if set(data) != names or any(t.dim() != 1 or (k not in ("rows", "docs") and t.shape != data["tokens"].shape)
                                      for k, t in data.items()):
             raise ValueError(f"holds {sorted(data)}, not the 1-D streams {sorted(names)}")
-        if "rows" in data and int(data["rows"].sum()) != data["tokens"].numel():
-            raise ValueError("its row lengths do not add up to its tokens")
+        for k in ("rows", "docs"):
+            if k in data and int(data[k].sum()) != data["tokens"].numel():
+                raise ValueError(f"its {'row' if k == 'rows' else 'document'} lengths do not add up to its tokens")
         if want is None:
             raise ValueError("no checksum (written by an older lazytrain)")
         if _streams_digest(data) != want:
@@ -970,7 +981,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
     `pack_rows`: several prompt/completion or chat rows to a sequence, each attending only to
     itself (False: one row per sequence, for a model that cannot keep them apart).
     `doc_mask`: text documents packed into one sequence each attend only to themselves (position
-    ids restarting after each document's EOS; PackedDataset's doc_sep).
+    ids restarting where each document begins; PackedDataset's docs).
     """
     if prompt_field and messages_field:
         raise DataError(f"data.prompt_field={prompt_field!r} and data.messages_field={messages_field!r} are "
@@ -984,7 +995,7 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
     if cache_dir is not None:
         key = _cache_key(paths, tokenizer, text_field, prompt_field, messages_field, bos)
         cache_path = Path(cache_dir) / f"tokens-{key}.safetensors"
-        data = _read_cache(cache_path, {"tokens", "learn", "rows"} if masked else {"tokens"})
+        data = _read_cache(cache_path, {"tokens", "learn", "rows"} if masked else {"tokens", "docs"})
     if data is None:
         rows: list[int] = []
         if messages_field:
@@ -994,7 +1005,9 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
             tokens, learn = tokenize_pairs(paths, tokenizer, prompt_field, text_field, bos, rows)
             data = {"tokens": tokens, "learn": learn, "rows": torch.tensor(rows, dtype=torch.long)}
         else:
-            data = {"tokens": tokenize_files(paths, tokenizer, text_field, bos=bos)}
+            docs: list[int] = []
+            data = {"tokens": tokenize_files(paths, tokenizer, text_field, bos=bos, docs=docs),
+                    "docs": torch.tensor(docs, dtype=torch.long)}
         if cache_path is not None:
             _write_cache(cache_path, data)
     tokens = data["tokens"]
@@ -1010,6 +1023,6 @@ def build_dataset(files: Sequence[str | Path], tokenizer, seq_len: int, seed: in
         raise DataError("doc_mask is for text documents: prompt/completion and chat rows are kept apart "
                         "by pack_rows")
     ds = PackedDataset(tokens, seq_len, seed, learn=data.get("learn"), rows=data.get("rows"), pad_id=pad or 0,
-                       pack=pack_rows, doc_sep=tokenizer.eos_token_id if doc_mask else None)
+                       pack=pack_rows, docs=data.get("docs") if doc_mask else None)
     ds.files = tuple(paths)
     return ds

@@ -794,6 +794,12 @@ def _data_hints(cfg: DictConfig, pre: Preflight, state: dict[str, Any] | None = 
         hints.append("prompt/completion and chat rows are packed whole since 2026-12-02, each attending "
                      f"only to itself (a later change), and this checkpoint was written before ({was}): "
                      "it cannot continue on the new sequences; start the run again in a new output_dir")
+    docs, had = doc_mask_of(cfg), (state or {}).get("doc_mask")
+    if had is not None and had != docs:
+        hints.append(f"the checkpoint was written with data.doc_mask={str(had).lower()}, this run has "
+                     f"{str(docs).lower()} (other position ids and learned tokens)")
+    elif had is None and docs:
+        hints.append("data.doc_mask=true changes the sequences' position ids and learned tokens")
     if cfg.data.get("eval_fraction"):
         hints.append(f"data.eval_fraction={cfg.data.eval_fraction} holds sequences out of training")
     add = cfg.data.get("add_bos", "auto")
@@ -1261,6 +1267,7 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     def save(step_done: int) -> None:
         state = {"data_position": position, "plan_hash": pre.plan.input_hash, "max_steps": max_steps,
                  "schedule": schedule_settings(cfg), **job_identity(cfg, ds, pre), "data_packing": DATA_PACKING,
+                 "doc_mask": doc_mask_of(cfg),
                  # (a resume on other evaluation data says so: one eval_loss curve spanned two sets)
                  "eval_fingerprint": pre.eval_dataset.fingerprint if pre.eval_dataset is not None else None}
         if isinstance(engine, DeepSpeedEngine):

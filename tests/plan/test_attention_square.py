@@ -51,3 +51,16 @@ def test_an_eager_attention_computes_the_square_at_every_length():
     eager, flops = _block(spec, batch_size=1, seq_len=256)
     sdpa, _ = _block(causal, batch_size=1, seq_len=256)
     assert eager.fwd_s - sdpa.fwd_s == pytest.approx(256 * 256 * block.attn_flops_fwd_per_token_per_seq / flops, rel=1e-9)
+
+
+def test_flash_attention_gets_no_mask_and_no_square():
+    """Flash attention takes packed rows' position ids and a window itself (varlen, windowed
+    kernels): transformers builds it no mask, and it computes no square (review)."""
+    spec = ModelSpec.from_hf_config({"model_type": "mistral", **BASE, "sliding_window": 256,
+                                     "attn_implementation": "flash_attention_2"}, name="x")
+    hw = hardware_for_tests()
+    plain, packed = (job_costs(spec, hw, JobSpec(batch_size=1, seq_len=512, packed_rows=p)) for p in (False, True))
+    assert packed.layers[1].fwd_s == plain.layers[1].fwd_s and packed.layers[1].act_bytes == plain.layers[1].act_bytes
+    assert packed.device_static_bytes == plain.device_static_bytes
+    sdpa = ModelSpec.from_hf_config({"model_type": "mistral", **BASE, "sliding_window": 256}, name="y")
+    assert job_costs(sdpa, hw, JobSpec(batch_size=1, seq_len=512)).layers[1].fwd_s > plain.layers[1].fwd_s

@@ -58,3 +58,13 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused(base_overrides, tmp
     assert_refused_in_one_line(cli.main, ov, [(["data.doc_mask=true"], "data.doc_mask=true: documents packed into "
                                                "one sequence would see each other in gpt_oss")],
                                tmp_path / "never", capsys, alone=False)
+
+
+def test_a_resume_with_doc_mask_changed_says_so(base_overrides, tmp_path, capsys):
+    common = [a for a in base_overrides if not a.startswith(("job.max_steps", "data.files"))] + [
+        f"data.files=[{_documents(tmp_path)}]", "job.seq_len=64", "save_every=1", f"output_dir={tmp_path / 'run'}"]
+    assert cli.main([*common, "job.max_steps=2", "data.doc_mask=false"]) == 0
+    capsys.readouterr()
+    assert cli.main([*common, "job.max_steps=3", "data.doc_mask=true", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint was written with data.doc_mask=false, this run has true" in err, err
