@@ -256,7 +256,7 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             # saves: (heads - kv heads) x head_dim more
             act += job.batch_size * job.seq_len * job.seq_len * cb
             act += tokens * 2 * (model.num_heads - model.num_kv_heads) * model.head_dim * cb
-        if spec.kind == "block" and not full and cb == 2:
+        if spec.kind == "block" and not full and cb == 2 and "measured" not in spec.saved_bytes_per_token:
             # Only where LoRA saves more than full fine-tuning's count (Llama-shaped blocks: 10.9%
             # more at hidden 256): applied where it saves less (MoE blocks, frozen experts: 12-16%
             # less), the measured peak of a Qwen3-MoE LoRA job with NVMe-streamed parameters went
@@ -264,6 +264,14 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             # that slack, not found yet.
             act += tokens * max(0, lora_saved_delta_per_token(spec, model.hidden_size, job.lora_rank,
                                                               job.lora_targets))
+        if spec.kind == "block" and not full and "measured" in spec.saved_bytes_per_token:
+            # A measured block was measured for full fine-tuning, and what LoRA saves less (frozen
+            # linears' inputs) is not Llama's shape everywhere (Cohere's parallel attention and
+            # MLP share one input): only what the adapters add, each targeted linear's fp32 input
+            # and fp32 rank output (the Llama-shaped delta left Cohere, Cohere 2 and SmolLM3
+            # LoRA plans 1.01-1.08x under their peak; review)
+            act += tokens * sum(4 * (lin.in_features + job.lora_rank) for lin in model.lora_linears(spec)
+                                if lin.count == 1 and lin.name.split(".")[-1] in job.lora_targets)
         fwd_tr, bwd_off = 0, None
         # An attention given an explicit mask (sliding window past it, packed rows) or run eagerly
         # (a measured spec saving its probabilities) computes the whole [seq, seq] square: the

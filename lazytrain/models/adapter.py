@@ -376,12 +376,18 @@ def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) ->
 def head_loss(parts: DecoderParts, hidden: torch.Tensor, labels: torch.Tensor,
               chunk_tokens: int = 0) -> torch.Tensor:
     """Final norm + lm_head + the model's own causal-LM loss (mean over non-ignored tokens); with
-    `chunk_tokens` > 0 the same loss over chunks of tokens (models/chunked_loss.py)."""
+    `chunk_tokens` > 0 the same loss over chunks of tokens (models/chunked_loss.py). The norm's
+    output goes to lm_head in lm_head's dtype, as the models' own forward does where they differ
+    (Mamba's blocks keep an fp32 residual in a bf16 model: the matmul refused the mix; review)."""
+    normed = parts.norm(hidden)
+    w = getattr(parts.head, "weight", None)
+    if isinstance(w, torch.Tensor) and normed.dtype != w.dtype:
+        normed = normed.to(w.dtype)
     if chunk_tokens > 0:
         from .chunked_loss import chunked_causal_lm_loss
 
-        return chunked_causal_lm_loss(parts.norm(hidden), parts.head, labels, chunk_tokens)
-    logits = parts.head(parts.norm(hidden))
+        return chunked_causal_lm_loss(normed, parts.head, labels, chunk_tokens)
+    logits = parts.head(normed)
     return parts.lm.loss_function(logits=logits, labels=labels, vocab_size=parts.vocab_size)
 
 

@@ -43,6 +43,7 @@ import copy
 import functools
 import json
 import logging
+import math
 
 from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count
 
@@ -51,6 +52,8 @@ NO_SOFTMAX_ATTENTION = ("linear_attention", "mamba", "conv", "mlp", "moe")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "experts_per_token",
               "moe_k", "moe_topk")   # (ERNIE-4.5-MoE's, Hunyuan-MoE's: refused before; review)
 log = logging.getLogger(__name__)
+# what a chunked-scan block's transients may still grow per token past the measured lengths (_measure)
+CHUNKED_MARGIN = 1.05
 
 
 def spec_from_structure(cfg: dict, name: str | None) -> ModelSpec:
@@ -538,13 +541,17 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         if kind not in measured:
             real = _real_copy(block)   # (one copy for every length)
             saved = [_saved_bytes(real, kw[s][i], H, s) for s in lengths]
-            # A recurrent or linear-attention block's chunked scan pads the sequence to its chunk
-            # (Mamba-2's 256 tokens): what it saves and holds is not polynomial in the length. Its
-            # saved bytes per token are taken at the short lengths, as if each were a whole
-            # chunk's (4-5x what Falcon-H1 and Qwen3-Next save at 1024 tokens, measured: their
-            # plans safe but large; fitted with a constant per sequence, 1.5-6.5x under), and its
-            # transients are the formulas' (three lengths within one chunk extrapolated
-            # Falcon-H1's to 0.37-0.44 of what it holds at 1024 tokens).
+            # A recurrent or linear-attention block's scan pads the sequence to its chunk
+            # (Mamba-2's 256 tokens) or loops token by token (Mamba-1's torch path: a different
+            # number of allocations at each length): what it saves and holds is not a polynomial
+            # fitted point by point. Its saved bytes per token are taken at the short lengths, as
+            # if each were a whole chunk's (4-5x what Falcon-H1 and Qwen3-Next save at 1024
+            # tokens, measured: their plans safe but large; fitted with a constant per sequence,
+            # 1.5-6.5x under), and so are its transients: each moment's worst per token over the
+            # lengths, with 5% for what still grows past them (Jamba's Mamba-1 loop: 0.4% from 64
+            # to 512 tokens; Qwen3-Next's Gated DeltaNet, 20% from 64 to 1024, below its worst at
+            # 16). The formulas' instead: Jamba's blocks hold ~62 KB per token in their backward,
+            # 24x the formula: plans 1.35-1.39x under their peak (review).
             chunked = types[i] in NO_SOFTMAX_ATTENTION or any(
                 isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules())
             if chunked:
@@ -555,19 +562,21 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                 # constant as a negative per token x sequence term: 20 of Gemma 2's 24 bytes; review)
                 ((const, per_tok, quad),) = _transient_terms([[b] for b in saved], lengths)
             fwd = bwd = held = ()
-            if not chunked:
-                try:
-                    curves = [_excess_curves(real, kw[s][i], H, s) for s in lengths]
-                except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-                    # (the formulas' terms then: a block whose backward cannot run here fails
-                    # at training time with the real error)
-                    log.warning("model_type %r: block %d's backward could not be measured (%s: %s); "
-                                "its transient memory is estimated", family, i, type(e).__name__,
-                                str(e).splitlines()[0][:160] if str(e) else "")
+            try:
+                curves = [_excess_curves(real, kw[s][i], H, s) for s in lengths]
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                # (the formulas' terms then: a block whose backward cannot run here fails
+                # at training time with the real error)
+                log.warning("model_type %r: block %d's backward could not be measured (%s: %s); "
+                            "its transient memory is estimated", family, i, type(e).__name__,
+                            str(e).splitlines()[0][:160] if str(e) else "")
+            else:
+                if chunked:
+                    fwd, bwd, held = (((0, math.ceil(CHUNKED_MARGIN * max(max(c[k], default=0) / s for c, s
+                                                                          in zip(curves, lengths))), 0),)
+                                      for k in range(3))
                 else:
-                    fwd = _transient_terms([c[0] for c in curves], lengths)
-                    bwd = _transient_terms([c[1] for c in curves], lengths)
-                    held = _transient_terms([c[2] for c in curves], lengths)
+                    fwd, bwd, held = (_transient_terms([c[k] for c in curves], lengths) for k in range(3))
             del real
             measured[kind] = (max(0, const), max(0, per_tok), max(0, quad), fwd, bwd, held)
         per_seq, per_token, per_token_seq, fwd_terms, bwd_terms, held_terms = measured[kind]
