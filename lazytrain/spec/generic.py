@@ -272,25 +272,38 @@ def _saved_bytes(real, kwargs: dict, hidden: int, seq: int) -> int:
 
     from ..models.adapter import run_block
 
-    weights = {p.untyped_storage().data_ptr() for p in real.parameters()}
-    ctx = {t.untyped_storage().data_ptr() for v in kwargs.values()
-           for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)}
+    ctx = [t for v in kwargs.values() for t in (v if isinstance(v, (tuple, list)) else (v,))
+           if isinstance(t, torch.Tensor)]
+    return _saved_storage_bytes(lambda x: run_block(real, x, kwargs), real, hidden, seq, ctx)
+
+
+def _saved_storage_bytes(fn, module, hidden: int, seq: int, exclude=(), with_output: bool = False,
+                         with_input: bool = True) -> int:
+    """Bytes of the distinct storages `fn` saves for backward on a zero bf16 [1, seq, hidden]
+    input, other than `module`'s weights and the tensors in `exclude` (the step's shared
+    arguments); `with_output`: its output's too; `with_input`: the input's, where saved."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
     alive: list[torch.Tensor] = []   # (a saved tensor the forward dropped again freed its address for
     # the next one: two counted as one, and the measure changed from run to run by a tensor's size)
+    x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+    if not with_input:
+        skip.add(x.untyped_storage().data_ptr())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in weights and ptr not in ctx:
-            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
             alive.append(t)
         return t
 
-    x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run_block(real, x, kwargs)
-    del out
+        out = fn(x)
+    if with_output:
+        seen[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -415,29 +428,9 @@ def _norm_saved_per_token(norm, hidden: int, lengths: tuple[int, ...]) -> int:
     lm_head saves), not counting its input (the last hidden state: a boundary of the plan's)."""
     import math
 
-    import torch
-
     real = _real_copy(norm)
-    weights = {p.untyped_storage().data_ptr() for p in real.parameters()}
-    worst = 0.0
-    for seq in lengths:
-        x = torch.zeros(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
-        seen: dict[int, int] = {}
-        alive = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in weights and st.data_ptr() != x.untyped_storage().data_ptr():
-                seen[st.data_ptr()] = st.nbytes()
-                alive.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = real(x)
-        seen[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
-        worst = max(worst, sum(seen.values()) / seq)
-        del out, alive
-    return math.ceil(worst)
+    return math.ceil(max(_saved_storage_bytes(real, real, hidden, s, with_output=True, with_input=False) / s
+                         for s in lengths))
 
 
 def _measure(cfg: dict, name: str | None) -> ModelSpec:
