@@ -74,12 +74,13 @@ def _build_meta(cfg: dict):
         raise ModelConfigError(f"model_type {family!r}: transformers does not know it")
     # what a real config.json holds, under the standard name or the family's own (GPT-J's n_layer):
     # transformers would fill a missing one with its default and plan another model
-    aliases = getattr(CONFIG_MAPPING[family], "attribute_map", {}) or {}
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-               if k not in cfg and aliases.get(k) not in cfg]
+    cls = CONFIG_MAPPING[family]
+    aliases = getattr(cls, "attribute_map", {}) or {}
+    required = _required_keys(cls)
+    missing = [k for k in required if k not in cfg and aliases.get(k) not in cfg]
     if missing:
         raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
-    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+    for k in required:
         _count({k: cfg.get(k, cfg.get(aliases.get(k, k)))}, k)   # (a whole number >= 1, named)
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
@@ -94,6 +95,27 @@ def _build_meta(cfg: dict):
         raise ModelConfigError(f"model_type {family!r}: transformers cannot build it as a causal LM "
                                f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     return config, model
+
+
+@functools.lru_cache(maxsize=64)
+def _required_keys(cls) -> tuple[str, ...]:
+    """The size keys a config of this class must give: those its family has as plain settings.
+    Not a key the family lacks (Mamba's blocks have no attention heads: a real Mamba config names
+    none, and was refused for it), nor one it derives (Nemotron-H's layer count is a property,
+    its `layer_types`' length: a config transformers 5 saves has no num_hidden_layers)."""
+    try:
+        default = cls()
+    except Exception:  # noqa: BLE001 - a family whose default cannot be built: ask for all of them
+        default = None
+    keys = []
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        alias = (getattr(cls, "attribute_map", {}) or {}).get(k, k)
+        if isinstance(getattr(cls, k, None), property) or isinstance(getattr(cls, alias, None), property):
+            continue
+        if default is not None and not hasattr(default, k):
+            continue
+        keys.append(k)
+    return tuple(keys)
 
 
 def structure_problem(cfg: dict, chunk_tokens: int = 0) -> str | None:
@@ -277,6 +299,18 @@ def _saved_bytes(real, kwargs: dict, hidden: int, seq: int) -> int:
     return _saved_storage_bytes(lambda x: run_block(real, x, kwargs), real, hidden, seq, ctx)
 
 
+def _output_itemsize(real, kwargs: dict, hidden: int, seq: int) -> int:
+    """Bytes per element of what block `real` (a `_real_copy`) returns for a bf16 input: 4 where
+    it keeps its residual in fp32 (Mamba's `residual_in_fp32`)."""
+    import torch
+
+    from ..models.adapter import run_block
+
+    with torch.no_grad():
+        out = run_block(real, torch.zeros(1, seq, hidden, dtype=torch.bfloat16), kwargs)
+    return out.element_size()
+
+
 def _saved_storage_bytes(fn, module, hidden: int, seq: int, exclude=(), with_output: bool = False,
                          with_input: bool = True) -> int:
     """Bytes of the distinct storages `fn` saves for backward on a zero bf16 [1, seq, hidden]
@@ -452,12 +486,14 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
     std = {k: getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                   "max_position_embeddings", "intermediate_size")}
     std = {k: v for k, v in std.items() if v is not None}
-    nh = _count(std, "num_attention_heads")
-    nkv = _count(std, "num_key_value_heads", nh)
+    # (none in a family without softmax attention: Mamba, Mamba-2, whose blocks then cost what
+    # their linears do)
+    nh = _count(std, "num_attention_heads") if "num_attention_heads" in std else 0
+    nkv = _count(std, "num_key_value_heads", nh) if nh else 0
     # (multi-head latent attention: the query/key head is its rope and no-rope parts together)
     qk = getattr(config, "qk_head_dim", None) or (getattr(config, "qk_rope_head_dim", 0) or 0) + \
         (getattr(config, "qk_nope_head_dim", 0) or 0)
-    hd = int(qk) if qk else _count(std, "head_dim", H // nh)
+    hd = (int(qk) if qk else _count(std, "head_dim", H // nh)) if nh else 0
     types = getattr(config, "layer_types", None)
     types = list(types) if isinstance(types, (list, tuple)) and len(types) == L else [None] * L
     # the window as the built config holds it (after the family's own rules: a key the family
@@ -494,6 +530,7 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                         active_param_count=numel(parts.embed), matmul_flops_fwd_per_token=0,
                         attn_flops_fwd_per_token_per_seq=0, saved_bytes_per_token={"input_ids": 8})]
     measured: dict[tuple, tuple[int, int]] = {}
+    residual = 2   # (bytes per element of what the blocks return, run in bf16)
     for i, block in enumerate(parts.blocks):
         linears, matmul, experts = [], 0, []
         for mname, mod in block.named_modules():
@@ -533,6 +570,7 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                 tuple(sorted((a, tuple(v.shape)) for a, v in kw[s2][i].items() if isinstance(v, torch.Tensor))))
         if kind not in measured:
             real = _real_copy(block)   # (one copy for every length)
+            residual = max(residual, _output_itemsize(real, kw[s0][i], H, s0))
             saved = [_saved_bytes(real, kw[s][i], H, s) for s in lengths]
             # A recurrent or linear-attention block's scan pads the sequence to its chunk
             # (Mamba-2's 256 tokens) or loops token by token (Mamba-1's torch path: a different
@@ -602,4 +640,5 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         max_position_embeddings=_count(std, "max_position_embeddings", 4096),
         tie_word_embeddings=tied, layers=tuple(layers), hf_config=cfg,
         sliding_window=window, sliding_blocks=sliding,
-        context_bytes_terms=context_terms[0] if context_terms else ())
+        context_bytes_terms=context_terms[0] if context_terms else (),
+        residual_bytes=residual if residual > 2 else 0)

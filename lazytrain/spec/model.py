@@ -131,6 +131,10 @@ class ModelSpec:
     # what the blocks' shared arguments (masks, rotary tables) take for one sequence of S tokens:
     # (constant, x S, x S^2) bytes (measured specs only, spec/generic.py)
     context_bytes_terms: tuple[int, ...] = ()
+    # bytes per element of the residual stream between blocks where the model keeps it in a dtype
+    # of its own whatever it computes in (Mamba's and Mamba-2's `residual_in_fp32`: 4, measured);
+    # 0: the compute dtype
+    residual_bytes: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -146,8 +150,10 @@ class ModelSpec:
         return tuple(layer for layer in self.layers if layer.kind == "block")
 
     def boundary_bytes_per_token(self, dtype_bytes: int) -> int:
-        """The residual stream between blocks: what a checkpoint keeps per token."""
-        return self.hidden_size * dtype_bytes
+        """The residual stream between blocks: what a checkpoint keeps per token (in the model's
+        own residual dtype where it has one: a bf16 Mamba's boundaries are fp32; counted at 2
+        bytes, a deep Mamba's plan recomputing every block measured 1.07-1.16x its device peak)."""
+        return self.hidden_size * max(dtype_bytes, self.residual_bytes)
 
     def lora_linears(self, layer: "LayerSpec") -> tuple[Linear, ...]:
         """The linears of `layer` PEFT's LoRA wraps when a target names them: `nn.Linear` modules,
@@ -182,8 +188,9 @@ class ModelSpec:
     # ---- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:
         d = asdict(self)
-        if not d["context_bytes_terms"]:
-            del d["context_bytes_terms"]
+        for key in ("context_bytes_terms", "residual_bytes"):   # (absent where unset: hashes as before)
+            if not d[key]:
+                del d[key]
         for ld in d["layers"]:   # (absent where 0: the families' specs, and their plans' hashes, as before)
             for key in ("saved_bytes_per_token_per_seq", "saved_bytes_per_sequence", "fwd_transient_terms",
                         "bwd_transient_terms", "bwd_offloaded_transient_terms"):
