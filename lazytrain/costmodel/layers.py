@@ -245,8 +245,12 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
         # (not what is saved in its own dtype whatever the compute dtype: token ids, the loss's
         # fp32 log-softmax)
         fixed = tokens * sum(b for k, b in spec.saved_bytes_per_token.items() if k in DTYPE_FIXED_SAVES)
-        act = (spec.saved_bytes(tokens) - fixed) * cb // 2 + fixed
-        act += tokens * job.seq_len * spec.saved_bytes_per_token_per_seq * cb // 2   # (measured specs)
+        # a chunked scan's block runs on the sequence padded to whole chunks, for which its
+        # terms were measured (spec/generic.py)
+        seq = -(-job.seq_len // spec.scan_chunk) * spec.scan_chunk if spec.scan_chunk else job.seq_len
+        padded = job.batch_size * seq if spec.scan_chunk else tokens
+        act = (spec.saved_bytes(padded) - fixed) * cb // 2 + fixed
+        act += padded * seq * spec.saved_bytes_per_token_per_seq * cb // 2   # (measured specs)
         act += job.batch_size * spec.saved_bytes_per_sequence * cb // 2
         if spec.kind == "block" and spec.index - 1 in masks:
             # With the mask, torch's SDPA turns it into an additive one in the compute dtype and
@@ -281,9 +285,9 @@ def job_costs(model: ModelSpec, hw: HardwareSpec, job: JobSpec) -> JobCosts:
             square = tokens * job.seq_len * spec.attn_flops_fwd_per_token_per_seq
         if spec.kind == "block" and spec.bwd_transient_terms:
             # measured (spec/generic.py: the block's own ops, op by op, at three lengths)
-            bwd_tr = transient_bytes(spec.bwd_transient_terms, job.batch_size, job.seq_len, cb)
-            bwd_off = transient_bytes(spec.bwd_offloaded_transient_terms, job.batch_size, job.seq_len, cb)
-            fwd_tr = transient_bytes(spec.fwd_transient_terms, job.batch_size, job.seq_len, cb)
+            bwd_tr = transient_bytes(spec.bwd_transient_terms, job.batch_size, seq, cb)
+            bwd_off = transient_bytes(spec.bwd_offloaded_transient_terms, job.batch_size, seq, cb)
+            fwd_tr = transient_bytes(spec.fwd_transient_terms, job.batch_size, seq, cb)
             if spec.index - 1 in masks:   # (measured without a mask: the one made again, below)
                 mask = job.batch_size * job.seq_len * job.seq_len * cb
                 bwd_tr, bwd_off = bwd_tr + mask, bwd_off + mask

@@ -299,6 +299,30 @@ def _saved_bytes(real, kwargs: dict, hidden: int, seq: int) -> int:
     return _saved_storage_bytes(lambda x: run_block(real, x, kwargs), real, hidden, seq, ctx)
 
 
+def _scan_chunk(block) -> int:
+    """The chunk a block's scan pads the sequence to (tokens; 0: none found): its modules'
+    `chunk_size` (Mamba-2's, Falcon-H1's, Nemotron-H's mixers), or the `chunk_size` default of
+    the chunked kernel a module holds (Qwen3-Next's Gated DeltaNet: 64)."""
+    import inspect
+
+    found = []
+    for mod in block.modules():
+        c = getattr(mod, "chunk_size", None)
+        if isinstance(c, int) and not isinstance(c, bool) and c > 0:
+            found.append(c)
+        # the functions its forward calls by name (transformers' torch_chunk_gated_delta_rule)
+        code = getattr(getattr(inspect.unwrap(type(mod).forward), "__code__", None), "co_names", ())
+        scope = getattr(inspect.getmodule(type(mod)), "__dict__", {})
+        for name in code:
+            fn = scope.get(name) if "chunk" in name else None
+            if not inspect.isfunction(fn):
+                continue
+            p = inspect.signature(fn).parameters.get("chunk_size")
+            if p is not None and isinstance(p.default, int) and not isinstance(p.default, bool) and p.default > 0:
+                found.append(p.default)
+    return max(found, default=0)
+
+
 def _output_itemsize(real, kwargs: dict, hidden: int, seq: int) -> int:
     """Bytes per element of what block `real` (a `_real_copy`) returns for a bf16 input: 4 where
     it keeps its residual in fp32 (Mamba's `residual_in_fp32`)."""
@@ -438,10 +462,13 @@ def _excess_curves(real, kwargs: dict, hidden: int, seq: int) -> tuple[list[int]
     return [v - end for v in fwd], [v - end for v in bwd], [v - end for v in held]
 
 
-def _transient_terms(curves: list[list[int]], lengths: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+def _transient_terms(curves: list[list[int]], lengths: tuple[int, ...],
+                     up: bool = False) -> tuple[tuple[int, int, int], ...]:
     """Each point of a curve measured at three sequence lengths as constant + per token x S +
     per token x S x S bytes (exact for what is made per token and per token pair), the points no
-    other exceeds in every term. () where the runs made different numbers of allocations."""
+    other exceeds in every term. () where the runs made different numbers of allocations. `up`:
+    each term rounded up (a chunked scan's bytes grow by a fraction of a byte per token x sequence:
+    rounded to the nearest, its fit fell ~10 KB under at 1024 tokens, more with every chunk)."""
     if len({len(c) for c in curves}) != 1 or not curves[0]:
         return ()
     s0, s1, s2 = lengths
@@ -452,7 +479,14 @@ def _transient_terms(curves: list[list[int]], lengths: tuple[int, ...]) -> tuple
         b = (d12 - d01) / (s2 - s0)
         a = d01 - b * (s0 + s1)
         c = e0 - a * s0 - b * s0 * s0
-        pts.add((round(c), round(a), round(b)))
+        rnd = (lambda x: math.ceil(x - 1e-9)) if up else round  # noqa: E731 - (not float noise)
+        pts.add((rnd(c), rnd(a), rnd(b)))
+    return _pareto(pts)
+
+
+def _pareto(pts) -> tuple[tuple[int, int, int], ...]:
+    """The (constant, per token, per token x sequence) points no other exceeds in every term."""
+    pts = set(pts)
     keep = [p for p in pts if not any(q != p and all(qi >= pi for qi, pi in zip(q, p)) for q in pts)]
     return tuple(sorted(keep))
 
@@ -521,6 +555,12 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                                f"with its blocks stood in on the meta device ({type(e).__name__}: "
                                f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
 
+    def _kwargs_at(seq: int) -> list:
+        """The blocks' arguments for one sequence of `seq` tokens (the three lengths' made above)."""
+        if seq not in kw:
+            kw[seq] = block_kwargs(parts, 1, seq, torch.bfloat16, torch.device("cpu"))
+        return kw[seq]
+
     # the step's context (masks, rotary tables: the executor holds them for the whole step),
     # measured at each length: an eager attention's model builds its mask whatever the length
     ctx = {s: sum(t.untyped_storage().nbytes() for t in context_tensors(kw[s])) for s in kw}
@@ -571,30 +611,48 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
         if kind not in measured:
             real = _real_copy(block)   # (one copy for every length)
             residual = max(residual, _output_itemsize(real, kw[s0][i], H, s0))
-            saved = [_saved_bytes(real, kw[s][i], H, s) for s in lengths]
             # A recurrent or linear-attention block's scan pads the sequence to its chunk
             # (Mamba-2's 256 tokens) or loops token by token (Mamba-1's torch path: a different
             # number of allocations at each length): what it saves and holds is not a polynomial
-            # fitted point by point. Its saved bytes per token are taken at the short lengths, as
-            # if each were a whole chunk's (4-5x what Falcon-H1 and Qwen3-Next save at 1024
-            # tokens, measured: their plans safe but large; fitted with a constant per sequence,
-            # 1.5-6.5x under), and so are its transients: each moment's worst per token over the
-            # lengths, with 5% for what still grows past them (Jamba's Mamba-1 loop: 0.4% from 64
-            # to 512 tokens; Qwen3-Next's Gated DeltaNet, 20% from 64 to 1024, below its worst at
-            # 16). The formulas' instead: Jamba's blocks hold ~62 KB per token in their backward,
-            # 24x the formula: plans 1.35-1.39x under their peak (review).
+            # of the length fitted point by point at 16-64 tokens.
             chunked = types[i] in NO_SOFTMAX_ATTENTION or any(
                 isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules())
-            if chunked:
+            chunk = _scan_chunk(block) if chunked else 0
+            # A scan over chunks (Mamba-2, Falcon-H1, Nemotron-H, Gated DeltaNet) is measured at
+            # two, three and four whole chunks, where what it saves and holds is polynomial in the
+            # length (in its chunk count: the inter-chunk decay is [chunks, chunks]; one chunk
+            # takes a path of its own, saving less: Falcon-H1's 216 MB where the trend of 2-4
+            # chunks gives 283 MB, and a fit through it 1.6x too much at four), and the cost
+            # model pads each sequence to whole chunks as the block does. Measured at 16-64 tokens
+            # as if each were a whole chunk, Falcon-H1's plans were 7-9x its device peak and
+            # Qwen3-Next's 3.3x (session 27).
+            lens = (2 * chunk, 3 * chunk, 4 * chunk) if chunk else lengths
+            args = [_kwargs_at(s)[i] for s in lens]
+            saved = [_saved_bytes(real, a, H, s) for a, s in zip(args, lens)]
+            if chunked and not chunk:
+                # Otherwise (Mamba-1's token loop, convolutions) the saved bytes per token are
+                # taken at the short lengths, and so are its transients: each moment's worst per
+                # token over the lengths, with 5% for what still grows past them (Jamba's Mamba-1
+                # loop: 0.4% from 64 to 512 tokens). The formulas' instead: Jamba's blocks hold
+                # ~62 KB per token in their backward, 24x the formula: plans 1.35-1.39x under
+                # their peak (review).
                 quad = max(0, round((saved[2] / s2 - saved[1] / s1) / (s2 - s1)))
                 const, per_tok = 0, round(saved[1] / s1 - quad * s1)
             else:
                 # constant + per token + per token x sequence, exactly (two lengths took a
                 # constant as a negative per token x sequence term: 20 of Gemma 2's 24 bytes; review)
-                ((const, per_tok, quad),) = _transient_terms([[b] for b in saved], lengths)
+                ((const, per_tok, quad),) = _transient_terms([[b] for b in saved], lens, up=bool(chunk))
+            if chunk:
+                # (a single chunk takes a path of its own: what it saves and holds is a floor
+                # per sequence; Falcon-H1's saves less alone, its backward holds more: 95 MB
+                # where the fit through 2-4 chunks gives 62)
+                one_args = _kwargs_at(chunk)[i]
+                const = max(0, const)
+                const += max(0, _saved_bytes(real, one_args, H, chunk) - (const + per_tok * chunk + quad * chunk * chunk))
             fwd = bwd = held = ()
             try:
-                curves = [_excess_curves(real, kw[s][i], H, s) for s in lengths]
+                curves = [_excess_curves(real, a, H, s) for a, s in zip(args, lens)]
+                one = _excess_curves(real, one_args, H, chunk) if chunk else ()
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
                 # (the formulas' terms then: a block whose backward cannot run here fails
                 # at training time with the real error)
@@ -602,15 +660,22 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
                             "its transient memory is estimated", family, i, type(e).__name__,
                             str(e).splitlines()[0][:160] if str(e) else "")
             else:
-                if chunked:
-                    fwd, bwd, held = (((0, math.ceil(CHUNKED_MARGIN * max(max(c[k], default=0) / s for c, s
-                                                                          in zip(curves, lengths))), 0),)
-                                      for k in range(3))
+                worst = lambda k: ((0, math.ceil(CHUNKED_MARGIN * max(max(c[k], default=0) / s  # noqa: E731
+                                                                      for c, s in zip(curves, lens))), 0),)
+                if chunked and not chunk:
+                    fwd, bwd, held = (worst(k) for k in range(3))
                 else:
-                    fwd, bwd, held = (_transient_terms([c[k] for c in curves], lengths) for k in range(3))
+                    # (a scan looping over its chunks makes a different number of allocations at
+                    # each length: no fit; its worst per token, which the chunk count hardly moves)
+                    fwd, bwd, held = (_transient_terms([c[k] for c in curves], lens, up=bool(chunk))
+                                      or (worst(k) if chunk else ())
+                                      for k in range(3))
+                    if chunk:
+                        fwd, bwd, held = (_pareto(terms + ((max(max(one[k], default=0), 0), 0, 0),))
+                                          for k, terms in enumerate((fwd, bwd, held)))
             del real
-            measured[kind] = (max(0, const), max(0, per_tok), max(0, quad), fwd, bwd, held)
-        per_seq, per_token, per_token_seq, fwd_terms, bwd_terms, held_terms = measured[kind]
+            measured[kind] = (max(0, const), max(0, per_tok), max(0, quad), fwd, bwd, held, chunk)
+        per_seq, per_token, per_token_seq, fwd_terms, bwd_terms, held_terms, chunk = measured[kind]
         layers.append(LayerSpec(
             name=f"block.{i}", kind="block", index=i + 1, param_count=params, active_param_count=active,
             matmul_flops_fwd_per_token=2 * matmul,
@@ -619,7 +684,7 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
             num_experts=E, experts_per_token=k, expert_param_count=expert_params,
             saved_bytes_per_token_per_seq=per_token_seq, saved_bytes_per_sequence=per_seq,
             fwd_transient_terms=fwd_terms, bwd_transient_terms=bwd_terms,
-            bwd_offloaded_transient_terms=held_terms))
+            bwd_offloaded_transient_terms=held_terms, scan_chunk=chunk))
     tied = bool(parts.tied)
     norm_params = numel(parts.norm)
     head_params = norm_params + (0 if tied else numel(parts.head))

@@ -95,6 +95,9 @@ class LayerSpec:
     fwd_transient_terms: tuple[tuple[int, int, int], ...] = ()
     bwd_transient_terms: tuple[tuple[int, int, int], ...] = ()
     bwd_offloaded_transient_terms: tuple[tuple[int, int, int], ...] = ()
+    # a chunked scan's chunk (Mamba-2's 256 tokens): the block pads each sequence to whole chunks,
+    # and its measured terms hold for whole chunks (the cost model pads the length; 0: none)
+    scan_chunk: int = 0
 
     def flops_fwd(self, tokens: int, seq_len: int) -> float:
         return tokens * (self.matmul_flops_fwd_per_token
@@ -193,7 +196,7 @@ class ModelSpec:
                 del d[key]
         for ld in d["layers"]:   # (absent where 0: the families' specs, and their plans' hashes, as before)
             for key in ("saved_bytes_per_token_per_seq", "saved_bytes_per_sequence", "fwd_transient_terms",
-                        "bwd_transient_terms", "bwd_offloaded_transient_terms"):
+                        "bwd_transient_terms", "bwd_offloaded_transient_terms", "scan_chunk"):
                 if not ld[key]:
                     del ld[key]
             for lin in ld["linears"]:   # (likewise: absent where True)
