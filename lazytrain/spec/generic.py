@@ -20,8 +20,12 @@ eight families): measured from the model itself, not modelled.
   gradients), is measured at the same lengths and kept as constant / per token / per token x
   sequence terms per moment, which give the same bytes at any longer length
   (tests/spec/test_measured_transients.py); so are the step's shared arguments (an eager model's
-  [S, S] mask). Blocks with a chunked scan (Mamba, linear attention, convolutions) keep the cost
-  model's formulas: their memory is not polynomial in the length;
+  [S, S] mask). A block whose scan runs over chunks (Mamba-2, Gated DeltaNet) pads the sequence
+  to whole chunks, where its memory is polynomial: it is measured at two, three and four whole
+  chunks (one chunk alone as a floor) and the cost model pads the length (`LayerSpec.scan_chunk`);
+  a token loop or a convolution (Mamba-1, LFM2) is taken per token, its worst over the lengths;
+- what the blocks return is looked at too: a bf16 Mamba keeps its residual in fp32, whose
+  boundaries the cost model counts at 4 bytes (`ModelSpec.residual_bytes`);
 - the head (final norm, lm_head, loss) is the families' (the structure finder has checked that the
   model's loss is exactly that), but for what the final norm saves, measured (a LayerNorm saves
   more than an RMSNorm).
