@@ -86,12 +86,21 @@ def _build_meta(cfg: dict):
         raise ModelConfigError(f"config is missing required keys: {', '.join(missing)}")
     for k in required:
         _count({k: cfg.get(k, cfg.get(aliases.get(k, k)))}, k)   # (a whole number >= 1, named)
+    # a key the family derives from others: one of those must be given (transformers' default
+    # layout otherwise: a Nemotron-H config naming none was planned as a 4-layer model; review)
+    for k, sources in DERIVED_KEYS.get(family, {}).items():
+        if not any(cfg.get(src) for src in sources):
+            raise ModelConfigError(f"config is missing required keys: {' or '.join(sources)} ({family}'s {k})")
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(family, **kw)
     except Exception as e:  # noqa: BLE001 - its own validation (hidden size not divisible by heads, ...)
         why = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
         raise ModelConfigError(f"config ({family}): {why.removeprefix('ValueError: ')[:200]}") from None
+    for k in DERIVED_KEYS.get(family, {}):
+        given = cfg.get(k, cfg.get(aliases.get(k, k)))
+        if given is not None and given != getattr(config, k, given):
+            raise ModelConfigError(f"config: {k}={given} but {family}'s layout gives {getattr(config, k)}")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -101,22 +110,32 @@ def _build_meta(cfg: dict):
     return config, model
 
 
+# Size keys a family derives from others (a property of its config), and the keys one of which a
+# config must give for it
+DERIVED_KEYS = {"nemotron_h": {"num_hidden_layers": ("layers_block_type", "layer_types", "hybrid_override_pattern")}}
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 @functools.lru_cache(maxsize=64)
 def _required_keys(cls) -> tuple[str, ...]:
     """The size keys a config of this class must give: those its family has as plain settings.
     Not a key the family lacks (Mamba's blocks have no attention heads: a real Mamba config names
-    none, and was refused for it), nor one it derives (Nemotron-H's layer count is a property,
-    its `layer_types`' length: a config transformers 5 saves has no num_hidden_layers)."""
+    none, and was refused for it), nor one it derives (`DERIVED_KEYS`: Nemotron-H's layer count is
+    its `layers_block_type`'s length, and a config transformers 5 saves has no num_hidden_layers)."""
     try:
         default = cls()
     except Exception:  # noqa: BLE001 - a family whose default cannot be built: ask for all of them
         default = None
+    if default is None or not any(hasattr(default, k) for k in SIZE_KEYS):
+        # (a multimodal family's sizes live in its text_config: all four, as before; review: none
+        # was required and `{"model_type": "gemma3"}` planned transformers' default model)
+        return SIZE_KEYS
+    derived = DERIVED_KEYS.get(getattr(cls, "model_type", None), {})
     keys = []
-    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        alias = (getattr(cls, "attribute_map", {}) or {}).get(k, k)
-        if isinstance(getattr(cls, k, None), property) or isinstance(getattr(cls, alias, None), property):
+    for k in SIZE_KEYS:
+        if k in derived:   # (one of its sources is required instead: _build_meta)
             continue
-        if default is not None and not hasattr(default, k):
+        if not hasattr(default, k):
             continue
         keys.append(k)
     return tuple(keys)
@@ -590,7 +609,8 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
             # [channels, 1, kernel] (Mamba, Gated DeltaNet, LFM2) is not (it made 128 "experts"
             # of a Qwen3-Next linear-attention block and refused Mamba2: review)
             owner = block.get_submodule(pname.rpartition(".")[0]) if "." in pname else block
-            if p.dim() == 3 and not isinstance(owner, torch.nn.modules.conv._ConvNd):
+            # (nor a [1, 1, hidden] mixing vector: RWKV's time-mix was taken for one expert; review)
+            if p.dim() == 3 and p.shape[0] > 1 and not isinstance(owner, torch.nn.modules.conv._ConvNd):
                 experts.append((pname, p))
         E = k = expert_params = 0
         params = numel(block)
@@ -619,7 +639,8 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
             # (Mamba-2's 256 tokens) or loops token by token (Mamba-1's torch path: a different
             # number of allocations at each length): what it saves and holds is not a polynomial
             # of the length fitted point by point at 16-64 tokens.
-            chunked = types[i] in NO_SOFTMAX_ATTENTION or any(
+            # (or a model without attention heads at all: RWKV's recurrence, a token loop on the CPU)
+            chunked = types[i] in NO_SOFTMAX_ATTENTION or not nh or any(
                 isinstance(m, torch.nn.modules.conv._ConvNd) for m in block.modules())
             chunk = _scan_chunk(block) if chunked else 0
             # A scan over chunks (Mamba-2, Falcon-H1, Nemotron-H, Gated DeltaNet) is measured at

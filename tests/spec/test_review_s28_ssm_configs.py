@@ -57,3 +57,35 @@ def test_a_key_the_family_has_is_still_required(family, key):
     cfg = {k: v for k, v in {**base, "model_type": family}.items() if k != key}
     with pytest.raises(ModelConfigError, match=f"missing required keys: {key}"):
         ModelSpec.from_hf_config(cfg)
+
+
+NEMOTRON = dict(model_type="nemotron_h", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=256, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+                chunk_size=16)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({}, "missing required keys: layers_block_type or layer_types or hybrid_override_pattern"),
+    ({"num_hidden_layers": 8}, "missing required keys: layers_block_type"),
+    ({"hybrid_override_pattern": "M*M-M*", "num_hidden_layers": 8}, "num_hidden_layers=8 but nemotron_h's layout gives 6")])
+def test_a_nemotron_h_config_without_its_layout_is_refused_not_planned_as_the_default(extra, match):
+    """Review: with num_hidden_layers no longer required, a config naming no layout was planned as
+    transformers' default 4-layer [mamba, moe, attention, mlp] model."""
+    with pytest.raises(ModelConfigError, match=match):
+        ModelSpec.from_hf_config({**NEMOTRON, **extra})
+    assert ModelSpec.from_hf_config({**NEMOTRON, "hybrid_override_pattern": "M*M-M*"}).num_layers == 6
+
+
+def test_a_multimodal_family_still_needs_its_sizes():
+    """Review: its default config has no size key at the top level, so none was required, and
+    `{"model_type": "gemma3"}` planned a 26-layer model of transformers' defaults."""
+    with pytest.raises(ModelConfigError, match="missing required keys: hidden_size, num_hidden_layers"):
+        ModelSpec.from_hf_config({"model_type": "gemma3"})
+
+
+def test_rwkv_is_planned_its_mixing_vectors_not_taken_for_experts():
+    """Review: past the key check, its [1, 1, hidden] time-mix parameters were counted as one
+    expert and the config refused for naming no top-k."""
+    spec = ModelSpec.from_hf_config({"model_type": "rwkv", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
+                                     "attention_hidden_size": 64, "intermediate_size": 256, "context_length": 2048})
+    assert all(b.num_experts == 0 and b.attn_flops_fwd_per_token_per_seq == 0 for b in spec.blocks)
