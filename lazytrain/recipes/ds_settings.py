@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..cli.config import ConfigError
 from ..integrations.ds_config import deep_merge, ds_config_from_plan, pinned_swap_note, uses_nvme, whole
 from ..plan.plan import Plan
+from ..storage.filemode import file_in_the_way
 from .engines import EngineUnavailable
 
 
@@ -137,6 +138,15 @@ def check_deepspeed_config(plan: Plan, overrides: dict[str, Any], nvme_dir: str 
         if over:   # (DeepSpeed would allocate them at start: the run killed, or the host swapping)
             raise ConfigError(f"deepspeed: {line}")
         notes.append(f"deepspeed: {line}")
+    # a path no directory can be made at is the user's to fix whatever is installed: said before
+    # the async_io check (the engine's mkdir said it only where libaio was installed)
+    for sec in ("offload_param", "offload_optimizer"):
+        off = (cfg.get("zero_optimization") or {}).get(sec)
+        if isinstance(off, dict) and off.get("device") == "nvme" and off.get("nvme_path"):
+            path = Path(str(off["nvme_path"])).expanduser()
+            if (above := file_in_the_way(path)) is not None:
+                raise ConfigError(f"deepspeed: zero_optimization.{sec}.nvme_path {path} cannot be made: "
+                                  f"{above} is a file, not a directory")
     if uses_nvme(cfg) and (msg := check_available(nvme=True)):
         raise EngineUnavailable(msg)
     # counts DeepSpeed's parser takes but its engine cannot (buffer_count=0 passed the parser and

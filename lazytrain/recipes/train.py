@@ -37,7 +37,7 @@ from ..models.adapter import ModelStructureError
 from ..spec.model import ModelConfigError
 from ..storage.aligned_io import ALIGN_BYTES, DiskIOError
 from ..storage.atomic import keep_jsonl_rows
-from ..storage.filemode import cannot_write_in, hold_flock, share_like_umask
+from ..storage.filemode import cannot_write_in, file_in_the_way, hold_flock, share_like_umask
 from ..storage.tiers import remove_dead_scratch, warn_if_memory_backed
 from . import checkpoint as ckpt
 from .ds_settings import check_deepspeed_config, deepspeed_overrides
@@ -149,13 +149,6 @@ class Preflight:
     notes: list[str] = field(default_factory=list)
     ds_overrides: dict[str, Any] = field(default_factory=dict)   # engine=deepspeed: the user's settings
     eval_dataset: PackedDataset | None = None   # data.eval_files / data.eval_fraction
-
-
-def file_in_the_way(path: Path) -> Path | None:
-    """The nearest existing one of `path` and its parents when it is not a directory (a dir
-    cannot be made there), else None."""
-    above = next((a for a in (path, *path.absolute().parents) if a.exists()), None)
-    return above if above is not None and not above.is_dir() else None
 
 
 def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:

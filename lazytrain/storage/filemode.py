@@ -86,6 +86,14 @@ def cannot_write_in(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The nearest existing one of `path` and its parents when it is not a directory (a dir
+    cannot be made there), else None."""
+    path = Path(path)
+    above = next((a for a in (path, *path.absolute().parents) if a.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def hold_flock(path: str | os.PathLike, wait: bool = False) -> int | None:
     """An fd holding an exclusive flock on `path` (created if missing): closing it releases the
     lock, as the kernel does when the process dies, however it dies. If another process holds it,
