@@ -324,15 +324,19 @@ def _saved_bytes(real, kwargs: dict, hidden: int, seq: int) -> int:
 
 def _scan_chunk(block) -> int:
     """The chunk a block's scan pads the sequence to (tokens; 0: none found): its modules'
-    `chunk_size` (Mamba-2's, Falcon-H1's, Nemotron-H's mixers), or the `chunk_size` default of
-    the chunked kernel a module holds (Qwen3-Next's Gated DeltaNet: 64)."""
+    `chunk_size` (Mamba-2's, Falcon-H1's, Nemotron-H's mixers) or `block_size` (MiniMax's
+    lightning attention: 256 tokens a block; taken per token at 16-64 tokens its plans were
+    2.1-2.7x its device peak), or the `chunk_size` default of the chunked kernel a module holds
+    (Qwen3-Next's Gated DeltaNet: 64). Only asked of blocks without softmax attention, a
+    convolution or heads (`_measure`)."""
     import inspect
 
     found = []
     for mod in block.modules():
-        c = getattr(mod, "chunk_size", None)
-        if isinstance(c, int) and not isinstance(c, bool) and c > 0:
-            found.append(c)
+        for attr in ("chunk_size", "block_size"):
+            c = getattr(mod, attr, None)
+            if isinstance(c, int) and not isinstance(c, bool) and c > 0:
+                found.append(c)
         # the functions its forward calls by name (transformers' torch_chunk_gated_delta_rule)
         code = getattr(getattr(inspect.unwrap(type(mod).forward), "__code__", None), "co_names", ())
         scope = getattr(inspect.getmodule(type(mod)), "__dict__", {})
