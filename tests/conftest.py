@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# measured specs are not kept on disk between test processes (tests stub parts of the measurement;
+# tests/spec/test_spec_disk_cache.py turns it on in a temp dir)
+os.environ.setdefault("LAZYTRAIN_SPEC_CACHE", "off")
 
 import pytest
 

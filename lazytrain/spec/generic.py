@@ -31,8 +31,12 @@ eight families): measured from the model itself, not modelled.
   more than an RMSNorm).
 
 Costs one block's weights in memory, three short forwards and three short forward+backward passes
-per kind of block (~6 s for a 104B Cohere config, 4 s before the transients were measured);
-cached per config for the process.
+per kind of block (~6 s for a 104B Cohere config, 4 s before the transients were measured; a
+chunked scan's whole chunks cost more: MiniMax-Text-01's config ~1 min). Cached per config for the
+process and on disk (`SPEC_CACHE_ENV`, by default ~/.cache/lazytrain/specs/): keyed by the config,
+the name, lazytrain's planner code (spec/, costmodel/, plan/, models/adapter.py: plan.solve.
+model_code_fingerprint) and the torch and transformers versions, so other code or versions measure
+anew; a file that does not hold what its checksum says is measured anew and rewritten.
 
 Attention FLOPs: num_attention_heads x head_dim over the whole (causal) sequence for every block
 the config's `layer_types` (transformers' names) does not mark as one without softmax attention
@@ -45,9 +49,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
+import os
+from pathlib import Path
 
 from .model import Linear, LayerSpec, ModelConfigError, ModelSpec, _count
 
@@ -64,9 +71,104 @@ def spec_from_structure(cfg: dict, name: str | None) -> ModelSpec:
     return _cached(json.dumps(cfg, sort_keys=True, default=str), name)
 
 
+# where measured specs are kept between processes: unset, ~/.cache/lazytrain/specs; empty, "0" or
+# "off": nowhere (the test suite's default: tests that stub the measurement must not be served
+# another process's)
+SPEC_CACHE_ENV = "LAZYTRAIN_SPEC_CACHE"
+SPEC_CACHE_FORMAT = 1
+
+
+def spec_cache_dir() -> Path | None:
+    v = os.environ.get(SPEC_CACHE_ENV)
+    if v is None:
+        return Path("~/.cache/lazytrain/specs").expanduser()
+    if v.strip().lower() in ("", "0", "off", "false", "no", "none"):
+        return None
+    return Path(v).expanduser()
+
+
+def _cache_key(kind: str, args: tuple) -> str:
+    from importlib import metadata
+
+    from .. import __version__
+    from ..plan.solve import model_code_fingerprint
+
+    ver = {}
+    for pkg in ("torch", "transformers"):
+        try:
+            ver[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            ver[pkg] = "absent"
+    blob = json.dumps({"format": SPEC_CACHE_FORMAT, "kind": kind, "args": list(args), "lazytrain": __version__,
+                       "code": model_code_fingerprint(), **ver}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+_MISS = object()
+
+
+def _load_cached(path: Path, key: str, from_text):
+    """What `path` keeps under `key` (`from_text` of its text), or _MISS (absent; or damaged:
+    said, and measured anew)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return _MISS
+    except OSError as e:
+        log.warning("cannot read the measured-spec cache file %s (%s); measuring the model again", path, e.strerror)
+        return _MISS
+    try:
+        d = json.loads(raw)
+        text = d["value"]
+        if d.get("key") != key or hashlib.sha256(text.encode()).hexdigest() != d.get("sha256"):
+            raise ValueError("its key or checksum does not match its content")
+        return from_text(text)
+    except Exception as e:  # noqa: BLE001 - any damage: JSON, keys, types, the spec's own fields
+        log.warning("the measured-spec cache file %s is damaged (%s: %s); measuring the model again",
+                    path, type(e).__name__, str(e)[:120])
+        return _MISS
+
+
+def _store_cached(path: Path, key: str, text: str) -> None:
+    from ..storage.atomic import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                                            "value": text}))
+    except OSError as e:   # (a read-only home: planning goes on, measuring again next time)
+        log.warning("cannot keep the measured spec in %s (%s); set %s to a writable dir, or to off",
+                    path.parent, getattr(e, "strerror", None) or e, SPEC_CACHE_ENV)
+
+
+def _on_disk(kind: str, args: tuple, compute, to_text, from_text):
+    """compute()'s value ((value, keep): `keep` False for a verdict that is not one, e.g. a probe
+    that could not run), kept in the cache dir between processes."""
+    folder = spec_cache_dir()
+    if folder is None:
+        return compute()[0]
+    key = _cache_key(kind, args)
+    path = folder / f"{kind}-{key}.json"
+    hit = _load_cached(path, key, from_text)
+    if hit is not _MISS:
+        return hit
+    value, keep = compute()
+    if keep:
+        _store_cached(path, key, to_text(value))
+    return value
+
+
+def _verdict(text: str) -> str | None:
+    v = json.loads(text)
+    if v is not None and not isinstance(v, str):
+        raise ValueError(f"a verdict is a line or null, not {type(v).__name__}")
+    return v
+
+
 @functools.lru_cache(maxsize=16)
 def _cached(cfg_json: str, name: str | None) -> ModelSpec:
-    return _measure(json.loads(cfg_json), name)
+    return _on_disk("spec", (cfg_json, name), lambda: (_measure(json.loads(cfg_json), name), True),
+                    ModelSpec.to_json, ModelSpec.from_json)
 
 
 def _build_meta(cfg: dict):
@@ -153,6 +255,12 @@ def structure_problem(cfg: dict, chunk_tokens: int = 0) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _structure_cached(cfg_json: str, chunk_tokens: int) -> str | None:
+    # (MiniMax-Text-01's 80 layers: ~20 s to build, their decay tables made for real)
+    return _on_disk("structure", (cfg_json, chunk_tokens), lambda: _structure_probe(cfg_json, chunk_tokens),
+                    json.dumps, _verdict)
+
+
+def _structure_probe(cfg_json: str, chunk_tokens: int) -> tuple[str | None, bool]:
     import logging
 
     import torch
@@ -184,14 +292,15 @@ def _structure_cached(cfg_json: str, chunk_tokens: int) -> str | None:
         if chunk_tokens:
             check_chunked_loss(parts)
         if probe_forward(parts, chunk_tokens) is not None:
-            return None   # (skipped: a weight it needs stayed on the meta device)
+            return None, True   # (skipped: a weight it needs stayed on the meta device)
     except ModelStructureError as e:
         if "does not run with its blocks stood in" in str(e):
-            return None   # (the blocks' own returns unknown on the meta device: no verdict; review: Bamba)
-        return str(e)
+            return None, True   # (the blocks' own returns unknown on the meta device: no verdict; review: Bamba)
+        return str(e), True
     except Exception as e:  # noqa: BLE001 - the probe could not run on this stand-in: the executor's runs
         logging.getLogger(__name__).debug("plan-time structure probe not run (vocab %d): %s", vocab, e)
-    return None
+        return None, False   # (not kept: it may run next time, e.g. with more memory)
+    return None, True
 
 
 def packed_rows_problem(cfg: dict) -> str | None:
@@ -212,6 +321,10 @@ def packed_rows_problem(cfg: dict) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _packed_cached(cfg_json: str) -> str | None:
+    return _on_disk("packed", (cfg_json,), lambda: (_packed_probe(cfg_json), True), json.dumps, _verdict)
+
+
+def _packed_probe(cfg_json: str) -> str | None:
     import torch
 
     from ..models.adapter import _per_block_kwargs, find_parts
