@@ -203,6 +203,17 @@ def _build_meta(cfg: dict):
         given = cfg.get(k, cfg.get(aliases.get(k, k)))
         if given is not None and given != getattr(config, k, given):
             raise ModelConfigError(f"config: {k}={given} but {family}'s layout gives {getattr(config, k)}")
+    # a multimodal family's language model takes its sizes from text_config: transformers keeps a
+    # top-level hidden_size as an unread attribute (`{"model_type": "gemma3", "hidden_size": 64}`
+    # was planned as its default 2304-wide, 26-layer model without a word; review)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        unread = [f"{k}={cfg[k]} (text_config: {getattr(text, k, None)})" for k in SIZE_KEYS
+                  if k in cfg and getattr(text, k, None) != cfg[k]]
+        if unread:
+            raise ModelConfigError(f"config ({family}): {', '.join(unread)} at the top level: a {family} config "
+                                   f"takes its language model's sizes from text_config, where transformers "
+                                   f"reads them; move them there")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
