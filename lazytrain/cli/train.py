@@ -239,7 +239,17 @@ def _quoted_output_dir(arg: str) -> str:
     if _key(arg) != "output_dir" or "=" not in arg:
         return arg
     v = arg.split("=", 1)[1]
-    return f"output_dir={_quoted(v)}" if v[:1] not in "'\"" and any(c in v for c in "=,[]{}()' ") else arg
+    if v[:1] in "'\"" or v in ("", "null"):
+        return arg
+    if any(c in v for c in "=,[]{}()' "):
+        return f"output_dir={_quoted(v)}"
+    # (what a shell passes for the README's output_dir='~/run': Hydra's grammar refuses ~ # & ! ^ ;
+    # < unquoted, with its lexer's exception name as the only word; review)
+    try:
+        ok = _value(arg) == v
+    except Exception:  # noqa: BLE001 - any parse failure: quoted, as the user meant a path
+        ok = False
+    return arg if ok else f"output_dir={_quoted(v)}"
 
 
 def _quoted(v: str) -> str:

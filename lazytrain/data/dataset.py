@@ -343,10 +343,15 @@ def tokenize_pairs(files: Sequence[Path], tokenizer, prompt_field: str,
     return torch.tensor(ids, dtype=torch.long), torch.tensor(learn, dtype=torch.bool)
 
 
+# what an assistant message may carry instead of content (a tool call; a template's reasoning field)
+ASSISTANT_PAYLOAD_KEYS = ("tool_calls", "function_call", "reasoning_content", "reasoning", "thinking")
+
+
 def read_chats(path: Path, messages_field: str) -> Iterator[tuple[str, list[dict]]]:
     """(where, messages) for each chat row of a JSONL file: `messages_field` holds a list of
     message objects, each with a string "role" and a string (or null) "content"; other keys
-    (tool calls, names) are passed to the chat template as they are."""
+    (tool calls, names) are passed to the chat template as they are. An assistant message must
+    carry something to learn: content, or one of ASSISTANT_PAYLOAD_KEYS."""
     if not is_jsonl(path):
         raise DataError(f"{path}: chat data (data.messages_field={messages_field!r}) must be JSONL rows "
                         f"with a {messages_field!r} list")
@@ -371,6 +376,14 @@ def read_chats(path: Path, messages_field: str) -> Iterator[tuple[str, list[dict
             if (bad := _bad_string(m)) is not None:   # in any other key the template renders
                 raise DataError(f"{path}{where}: message {j}'s {bad} holds a lone UTF-16 surrogate, not "
                                 f"valid Unicode text; fix or drop the row")
+            if m["role"] == "assistant" and not c and not any(m.get(k) for k in ASSISTANT_PAYLOAD_KEYS):
+                # (a misspelt key, {"role": "assistant", "text": ...}, rendered as an empty answer:
+                # only the end-of-turn tokens learned, a file of them teaching every turn to stop
+                # at once, without a word; review)
+                keys = ", ".join(sorted(m))
+                raise DataError(f"{path}{where}: message {j} is an assistant turn with "
+                                f"{'an empty' if 'content' in m else 'no'} 'content' (its keys: {keys}) and no "
+                                f"tool_calls: nothing to learn from it; fix or drop the row")
         yield where, msgs
 
 

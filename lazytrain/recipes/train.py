@@ -160,6 +160,17 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
         from ..data.corpus import DEMO_CORPUS, build_corpus
         from ..data.tokenizer import MIN_VOCAB, build_tokenizer
 
+        mpath = cfg.model.get("path")
+        if mpath and not d.get("tokenizer"):
+            # A model of one's own learns with its tokenizer, built-in corpus or not: the built-in
+            # tokenizer's ids passed the vocabulary check of any real model, trained it on them
+            # and replaced its tokenizer in final/ without a word (review)
+            m = Path(str(mpath)).expanduser()
+            if not any((m / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+                raise ConfigError(f"model.path={m} holds no tokenizer, and the built-in corpus's tokenizer "
+                                  f"(data.builtin={d.builtin}) is not that model's: give data.tokenizer=DIR "
+                                  f"(the model's tokenizer dir)")
+            d = OmegaConf.merge(d, {"tokenizer": str(m)})
         vocab = d.get("vocab_size")
         if not d.get("tokenizer") and (isinstance(vocab, bool) or not isinstance(vocab, int)):
             raise ConfigError(f"data.vocab_size must be a whole number (the built-in tokenizer's size), "
@@ -1181,6 +1192,15 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                        "stop_at_step": stop_at if stop_at < max_steps else None}
             echo(format_summary(summary))
             return summary
+    # The model first: a model.path refused for missing or mis-shaped weights (found only as they
+    # load) wrote plan.json, a lock and nvme/ first, and on a resume replaced the run's plan.json,
+    # which `plan trace` then refused as not the plan its trace ran (review). (Hydra's own .hydra/
+    # and train.log of a fresh run are written before any of this.)
+    seed = int(cfg.seed)
+    tokenizer, ds = pre.tokenizer, pre.dataset
+    model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
+    if not cfg.model.get("path"):
+        align_special_tokens(model, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:   # (a launcher's ranks share the dir: one lock, rank 0's)
         at["lock_fd"] = lock_output_dir(out)
@@ -1202,11 +1222,6 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
         echo(f"hardware={pre.hardware.name} describes a CUDA GPU but none is available: training on "
              f"the CPU {held}; hardware=cpu plans for this machine")
 
-    seed = int(cfg.seed)
-    tokenizer, ds = pre.tokenizer, pre.dataset
-    model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
-    if not cfg.model.get("path"):
-        align_special_tokens(model, tokenizer)
     engine = build_engine(cfg, model, pre, out, nvme_dir)
     if ranks.world == 1 and torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:

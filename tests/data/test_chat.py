@@ -156,6 +156,12 @@ def test_a_template_that_raises_names_the_row(tmp_path, chat_tok):
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
      r":1: message 0's content is a JSON array, not a string \(content parts"),
     ({"messages": [{"role": "user", "content": "\ud83d"}]}, r":1 message 0: field 'content' holds a lone UTF-16 surrogate"),
+    # an assistant turn with nothing to learn (a misspelt key rendered as an empty answer: only the
+    # end-of-turn tokens were learned, without a word; review, session 29)
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "It is 1."}]},
+     r":1: message 1 is an assistant turn with no 'content' \(its keys: role, text\) and no tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+     r":1: message 1 is an assistant turn with an empty 'content'"),
 ])
 def test_bad_rows_are_one_line_naming_file_and_row(tmp_path, chat_tok, row, msg):
     f = tmp_path / "chats.jsonl"
