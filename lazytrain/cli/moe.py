@@ -46,7 +46,7 @@ def _inspect_dir(path) -> dict:
 
 def _train_predictor(cfg) -> dict:
     from ..moe.api import load_tokenizer, train_predictor
-    from ..moe.cliutil import engine_kwargs
+    from ..moe.cliutil import engine_kwargs, whole_setting
     from ..moe.engine import load_streamed
 
     if not cfg.moe.store:
@@ -64,13 +64,22 @@ def _train_predictor(cfg) -> dict:
 
         train_txt, _ = build_corpus(Path.home() / ".cache" / "lazytrain" / DEMO_CORPUS)
         text = train_txt.read_text(encoding="utf-8")
-    ids = tok(text[: int(pt.max_tokens) * 8]).input_ids
+    # (each named when it is not a whole number: `steps=abc` said only "invalid literal for int()")
+    max_tokens = whole_setting("predictor_train.max_tokens", pt.max_tokens, 1)
+    seq_len = whole_setting("predictor_train.seq_len", pt.seq_len, 1)
+    steps = whole_setting("predictor_train.steps", pt.steps, 1)
+    width = whole_setting("predictor_train.width", pt.width, 1)
+    try:
+        lr = float(pt.lr)
+    except (TypeError, ValueError):
+        raise ValueError(f"predictor_train.lr must be a number, got {pt.lr!r}") from None
+    ids = tok(text[: max_tokens * 8]).input_ids
     kw = engine_kwargs(cfg)
     kw["prefetch"] = "none"
     eng = load_streamed(cfg.moe.store, **kw)
     try:
-        return train_predictor(eng, ids, cfg.out, seq_len=int(pt.seq_len), max_tokens=int(pt.max_tokens),
-                               steps=int(pt.steps), lr=float(pt.lr), width=int(pt.width),
+        return train_predictor(eng, ids, cfg.out, seq_len=seq_len, max_tokens=max_tokens,
+                               steps=steps, lr=lr, width=width,
                                log=lambda s: print(s, file=sys.stderr))
     finally:
         eng.close()

@@ -114,11 +114,32 @@ def build_meta_model(hf_config: dict | object, dtype: torch.dtype | None = None)
 
     cfg = hf_config
     if isinstance(hf_config, dict):
+        check_config_dtype(hf_config)
         d = decode_json_floats(dict(hf_config))
         cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, **({} if dtype is None else {"dtype": dtype}))
     return model.eval()
+
+
+# the dtypes the experts' kernels run (grouped_mm has no float64, and nothing here runs fp8 weights
+# without a quantization_config saying how)
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_config_dtype(hf_config: dict) -> None:
+    """ValueError (one line) where config.json names a dtype the engine cannot serve: `dtype: bogus`
+    and float8 were tracebacks from transformers; float64 converted, then failed mid-prefill (review)."""
+    for key in ("dtype", "torch_dtype"):
+        name = hf_config.get(key)
+        if name is None or name == "auto":
+            continue
+        short = str(name).removeprefix("torch.")
+        if short not in SERVED_DTYPES:
+            known = isinstance(getattr(torch, short, None), torch.dtype)
+            raise ValueError(f"config.json's {key} is {name!r}: {'' if known else 'not a torch dtype; '}the MoE "
+                             f"engine serves weights in {', '.join(SERVED_DTYPES)}; convert the checkpoint to "
+                             f"one of them (or fix the key)")
 
 
 def config_dtype(hf_config: dict) -> torch.dtype | None:

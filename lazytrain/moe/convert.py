@@ -320,10 +320,29 @@ def _has_weights(hf_dir: Path) -> bool:
     return (hf_dir / "model.safetensors.index.json").is_file() or any(hf_dir.glob("*.safetensors"))
 
 
-def _ends(f, key: str) -> list[torch.Tensor]:
-    """First and last rows of tensor `key` of an open safetensors file (0-d/1-d: all of it)."""
+SAMPLE_EDGE_ROWS = 64    # rows compared at each end of a non-expert tensor (special tokens' rows sit there)
+SAMPLE_SPREAD_ROWS = 16  # and rows spread evenly between
+
+
+def _ends(f, key: str, vocab: int = 0) -> list[torch.Tensor]:
+    """Rows of tensor `key` of an open safetensors file compared against the store: its first and
+    last rows (0-d/1-d: all of it); a tensor with `vocab` rows (an embedding, a head) also its
+    first and last SAMPLE_EDGE_ROWS and SAMPLE_SPREAD_ROWS spread between, or all of it when that
+    is no less. (The first and last row alone passed a model.path whose embedding and head rows
+    40..89 were trained after conversion, new tokens' rows, and the store's old weights were
+    served: review.)"""
     sl = f.get_slice(key)
-    return [sl[:1], sl[-1:]] if len(sl.get_shape()) >= 2 else [f.get_tensor(key)]
+    shape = sl.get_shape()
+    if len(shape) < 2:
+        return [f.get_tensor(key)]
+    if shape[0] != vocab:
+        return [sl[:1], sl[-1:]]
+    if shape[0] <= 2 * SAMPLE_EDGE_ROWS + SAMPLE_SPREAD_ROWS:
+        return [f.get_tensor(key)]
+    rows = shape[0]
+    step = (rows - 2 * SAMPLE_EDGE_ROWS) // (SAMPLE_SPREAD_ROWS + 1)
+    mids = [SAMPLE_EDGE_ROWS + step * (k + 1) for k in range(SAMPLE_SPREAD_ROWS)]
+    return [sl[:SAMPLE_EDGE_ROWS], sl[rows - SAMPLE_EDGE_ROWS:], *(sl[r:r + 1] for r in mids)]
 
 
 def _differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> str | None:
@@ -383,6 +402,8 @@ def _first_difference(src: Path, store: ExpertStore, meta: nn.Module) -> str | N
 
     layers = find_moe_layers(meta)
     tied = getattr(meta.config, "tie_word_embeddings", False)
+    text = meta.config.get_text_config() if hasattr(meta.config, "get_text_config") else meta.config
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
     non_expert, fused, split = _locate(src, meta, layers)
     files = _OpenShards()
     try:
@@ -391,7 +412,7 @@ def _first_difference(src: Path, store: ExpertStore, meta: nn.Module) -> str | N
             for name, (shard, key) in non_expert.items():
                 if name not in stored or (tied and name == "lm_head.weight"):
                     continue        # lacking in the store: load_streamed says so
-                why = _differ(_ends(files[shard], key), _ends(st, name))
+                why = _differ(_ends(files[shard], key, vocab), _ends(st, name, vocab))
                 if why:
                     return f"{name} {why}"
         # every expert of every MoE layer (an expert-only fine-tune changes no other tensor; a
@@ -414,8 +435,9 @@ def check_store_source(hf_dir: str | Path, store: ExpertStore, meta: nn.Module) 
     supplies config, tokenizer and generation config, the weights served are the store's, so
     another checkpoint of the same architecture would silently answer with the store's model.
     Compares the first and last rows of every non-expert tensor and of every expert of every MoE
-    layer (a few KB each: ~30 MB for Mixtral-8x7B); a dir without safetensors files (config only)
-    is not checked."""
+    layer (a few KB each: ~30 MB for Mixtral-8x7B), and 144 rows of the vocabulary-sized ones
+    (`_ends`); a dir without safetensors files (config only) is not checked. Rows compared by
+    none of these samples are not checked: re-convert after changing weights."""
     from safetensors import SafetensorError
 
     src = Path(hf_dir).expanduser()
