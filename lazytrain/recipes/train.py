@@ -1192,15 +1192,6 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
                        "stop_at_step": stop_at if stop_at < max_steps else None}
             echo(format_summary(summary))
             return summary
-    # The model first: a model.path refused for missing or mis-shaped weights (found only as they
-    # load) wrote plan.json, a lock and nvme/ first, and on a resume replaced the run's plan.json,
-    # which `plan trace` then refused as not the plan its trace ran (review). (Hydra's own .hydra/
-    # and train.log of a fresh run are written before any of this.)
-    seed = int(cfg.seed)
-    tokenizer, ds = pre.tokenizer, pre.dataset
-    model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
-    if not cfg.model.get("path"):
-        align_special_tokens(model, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:   # (a launcher's ranks share the dir: one lock, rank 0's)
         at["lock_fd"] = lock_output_dir(out)
@@ -1212,6 +1203,16 @@ def _run(cfg: DictConfig, output_dir: str | Path, pre: Preflight | None, echo,
     nvme_dir = Path(str(cfg.storage.nvme_dir)).expanduser() if cfg.storage.get("nvme_dir") else out / "nvme"
     check_nvme_dir(nvme_dir, plan_nvme_bytes(pre.plan), create=not cfg.storage.get("nvme_dir"))
     echo(plan_summary(pre.plan))
+    # The model before plan.json (under the lock, which must cover the load: a second run on the
+    # dir started and finished while it loaded, and this one then trained over it; review): a
+    # model.path refused for missing or mis-shaped weights (found only as they load) wrote
+    # plan.json first, and on a resume replaced the run's, which `plan trace` then refused as not
+    # the plan its trace ran (review).
+    seed = int(cfg.seed)
+    tokenizer, ds = pre.tokenizer, pre.dataset
+    model = build_model(pre.model, cfg.model.get("path"), pre.job, seed)
+    if not cfg.model.get("path"):
+        align_special_tokens(model, tokenizer)
     if ranks.main:
         _write_text(out / "plan.json", pre.plan.to_json())
     if pre.hardware.device_type == "cuda" and not torch.cuda.is_available():

@@ -34,9 +34,10 @@ Costs one block's weights in memory, three short forwards and three short forwar
 per kind of block (~6 s for a 104B Cohere config, 4 s before the transients were measured; a
 chunked scan's whole chunks cost more: MiniMax-Text-01's config ~1 min). Cached per config for the
 process and on disk (`SPEC_CACHE_ENV`, by default ~/.cache/lazytrain/specs/): keyed by the config,
-the name, lazytrain's planner code (spec/, costmodel/, plan/, models/adapter.py: plan.solve.
-model_code_fingerprint) and the torch and transformers versions, so other code or versions measure
-anew; a file that does not hold what its checksum says is measured anew and rewritten.
+the name, every lazytrain source file and the versions of torch, transformers and the kernel
+packages transformers would use instead of its torch code (KERNEL_PACKAGES), so other code or
+versions measure anew; a file that does not hold what its checksum says is measured anew and
+rewritten; a spec with an estimated block (its backward could not run here) is not kept.
 
 Attention FLOPs: num_attention_heads x head_dim over the whole (causal) sequence for every block
 the config's `layer_types` (transformers' names) does not mark as one without softmax attention
@@ -87,14 +88,31 @@ def spec_cache_dir() -> Path | None:
     return Path(v).expanduser()
 
 
+# packages whose kernels transformers runs in place of its torch code where they are installed
+# (Mamba-2, Falcon-H1, Qwen3-Next blocks): other blocks, other bytes
+KERNEL_PACKAGES = ("flash-linear-attention", "fla-core", "mamba-ssm", "causal-conv1d", "kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def _package_fingerprint() -> str:
+    """Hash of every lazytrain source file: a measurement runs the structure finder, the
+    accountant, the chunked loss... (`model_code_fingerprint` covers the planner's alone)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _cache_key(kind: str, args: tuple) -> str:
     from importlib import metadata
 
     from .. import __version__
     from ..plan.solve import model_code_fingerprint
 
-    ver = {}
-    for pkg in ("torch", "transformers"):
+    ver = {"package": _package_fingerprint()}
+    for pkg in ("torch", "transformers", *KERNEL_PACKAGES):
         try:
             ver[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -167,8 +185,13 @@ def _verdict(text: str) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _cached(cfg_json: str, name: str | None) -> ModelSpec:
-    return _on_disk("spec", (cfg_json, name), lambda: (_measure(json.loads(cfg_json), name), True),
-                    ModelSpec.to_json, ModelSpec.from_json)
+    def measure():
+        # a block whose backward could not be measured here (estimated terms, with a warning) is
+        # not kept: served from disk, every later plan took the estimate without the warning (review)
+        notes: dict = {}
+        spec = _measure(json.loads(cfg_json), name, notes)
+        return spec, not notes.get("estimated")
+    return _on_disk("spec", (cfg_json, name), measure, ModelSpec.to_json, ModelSpec.from_json)
 
 
 def _build_meta(cfg: dict):
@@ -652,7 +675,7 @@ def _norm_saved_per_token(norm, hidden: int, lengths: tuple[int, ...]) -> int:
                          for s in lengths))
 
 
-def _measure(cfg: dict, name: str | None) -> ModelSpec:
+def _measure(cfg: dict, name: str | None, notes: dict | None = None) -> ModelSpec:
     import torch
 
     from ..models.adapter import ModelStructureError, block_kwargs, context_tensors, find_parts
@@ -809,6 +832,8 @@ def _measure(cfg: dict, name: str | None) -> ModelSpec:
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
                 # (the formulas' terms then: a block whose backward cannot run here fails
                 # at training time with the real error)
+                if notes is not None:   # (an estimate is not kept on disk: _cached)
+                    notes["estimated"] = True
                 log.warning("model_type %r: block %d's backward could not be measured (%s: %s); "
                             "its transient memory is estimated", family, i, type(e).__name__,
                             str(e).splitlines()[0][:160] if str(e) else "")

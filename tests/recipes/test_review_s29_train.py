@@ -92,4 +92,28 @@ def test_a_model_path_refused_for_its_weights_writes_no_plan_and_keeps_the_runs(
     assert (out / "plan.json").read_bytes() == plan
     fresh = tmp_path / "run2"
     assert cli.main(["train", *ov, f"model.path={broken}", f"output_dir={fresh}"]) == 2
-    assert not {"plan.json", "nvme", ".lazytrain-run.lock"} & {p.name for p in fresh.iterdir()}
+    assert not (fresh / "plan.json").exists()
+
+
+def test_the_run_lock_covers_the_model_load(base_overrides, tmp_path, monkeypatch):
+    """Building the model before the lock (to keep a refused model.path from writing plan.json) let
+    a second run on the dir start and finish while the first loaded; the first then trained over it
+    (review of d0194fe). While the model loads, the dir is locked and plan.json not yet written."""
+    from lazytrain.cli.config import ConfigError
+    from lazytrain.recipes import train as recipe
+
+    out = tmp_path / "run"
+    seen = {}
+    build = recipe.build_model
+
+    def loading(*a, **k):
+        try:
+            recipe.lock_output_dir(out)
+            seen["locked"] = False
+        except ConfigError as e:
+            seen["locked"] = "in use by another lazytrain run" in str(e)
+        seen["plan"] = (out / "plan.json").exists()
+        return build(*a, **k)
+    monkeypatch.setattr(recipe, "build_model", loading)
+    assert cli.main(["train", *base_overrides, "job.max_steps=1", f"output_dir={out}"]) == 0
+    assert seen == {"locked": True, "plan": False}

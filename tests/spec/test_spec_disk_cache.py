@@ -140,3 +140,29 @@ def test_a_probe_that_could_not_run_is_not_kept(cache, monkeypatch):
     assert generic.structure_problem({**CFG, "hidden_size": 32}) is None
     assert not list(cache.glob("structure-*.json"))
     generic._structure_cached.cache_clear()
+
+
+def test_a_spec_with_an_estimated_block_is_not_kept(cache, monkeypatch, caplog):
+    """A block whose backward could not be measured here gets estimated terms and a warning; kept,
+    every later process planned with the estimate and no warning (review)."""
+    def fail(*a, **k):
+        raise RuntimeError("cannot allocate memory")
+    monkeypatch.setattr(generic, "_excess_curves", fail)
+    with caplog.at_level(logging.WARNING, logger=generic.log.name):
+        ModelSpec.from_hf_config(CFG)
+    assert "could not be measured" in caplog.text
+    assert not list(cache.glob("spec-*.json"))
+
+
+def test_other_lazytrain_code_or_kernel_packages_measure_anew(cache, monkeypatch):
+    """The key covered spec/, costmodel/, plan/ and models/adapter.py only; a measurement also runs
+    the accountant and the chunked loss, and transformers swaps in mamba-ssm / fla kernels."""
+    ModelSpec.from_hf_config(CFG)
+    _clear()
+    monkeypatch.setattr(generic, "_package_fingerprint", lambda: "other files")
+    ModelSpec.from_hf_config(CFG)
+    assert len(list(cache.glob("spec-*.json"))) == 2
+    _clear()
+    monkeypatch.setattr(generic, "KERNEL_PACKAGES", ("torch",))   # (a package now "installed")
+    ModelSpec.from_hf_config(CFG)
+    assert len(list(cache.glob("spec-*.json"))) == 3
