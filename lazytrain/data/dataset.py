@@ -52,13 +52,18 @@ class DataError(ValueError):
     """A user-facing data problem; the message is one actionable line."""
 
 
+def holds_tokenizer(folder: Path) -> bool:
+    """Whether `folder` has files an HF tokenizer loads from."""
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def load_tokenizer(tokenizer_dir: str | Path):
     """An HF tokenizer from a local dir (never the hub)."""
     p = Path(tokenizer_dir).expanduser()
     if not p.is_dir():
         raise DataError(f"tokenizer dir {p} does not exist (data.tokenizer must be a local "
                         f"Hugging Face tokenizer dir with tokenizer.json or tokenizer_config.json)")
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not holds_tokenizer(p):
         raise DataError(f"{p} holds no tokenizer (no tokenizer.json / tokenizer_config.json)")
     from transformers import AutoTokenizer
 

@@ -61,8 +61,15 @@ def versions() -> dict[str, str]:
     # (highspy has no __version__: a HiGHS upgrade, whose plans can differ, kept the cache's keys)
     # torch and transformers build the measured specs of model types without formulas
     # (spec/generic.py: what a block saves for backward): an upgrade may change them (review)
+    return {**out, **installed_versions(("highspy", "torch", "transformers"))}
+
+
+def installed_versions(packages) -> dict[str, str]:
+    """Each package's installed version, "absent" where it is not installed."""
     from importlib import metadata
-    for pkg in ("highspy", "torch", "transformers"):
+
+    out = {}
+    for pkg in packages:
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

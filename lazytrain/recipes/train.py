@@ -29,7 +29,8 @@ from safetensors import SafetensorError
 
 from ..cli.config import (ConfigError, check_bool_settings, check_declared_keys, check_model_structure, hardware_spec, hydra_quoted, model_spec,
                           planner_cache_dir, planner_options, profile_mismatch)
-from ..data.dataset import DataError, PackedDataset, build_dataset, load_tokenizer, read_chat_template
+from ..data.dataset import (DataError, PackedDataset, build_dataset, holds_tokenizer, load_tokenizer,
+                            read_chat_template)
 from ..models.lora import apply_lora, point_adapter_at_base, save_base_model, unmatched_targets
 from ..plan.plan import Plan
 from ..spec import HardwareSpec, JobSpec, ModelSpec
@@ -166,7 +167,7 @@ def prepare_data(cfg: DictConfig) -> tuple[list[Path], Path]:
             # tokenizer's ids passed the vocabulary check of any real model, trained it on them
             # and replaced its tokenizer in final/ without a word (review)
             m = Path(str(mpath)).expanduser()
-            if not any((m / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            if not holds_tokenizer(m):
                 raise ConfigError(f"model.path={m} holds no tokenizer, and the built-in corpus's tokenizer "
                                   f"(data.builtin={d.builtin}) is not that model's: give data.tokenizer=DIR "
                                   f"(the model's tokenizer dir)")

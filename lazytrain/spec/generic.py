@@ -106,19 +106,10 @@ def _package_fingerprint() -> str:
 
 
 def _cache_key(kind: str, args: tuple) -> str:
-    from importlib import metadata
+    from ..plan.solve import installed_versions
 
-    from .. import __version__
-    from ..plan.solve import model_code_fingerprint
-
-    ver = {"package": _package_fingerprint()}
-    for pkg in ("torch", "transformers", *KERNEL_PACKAGES):
-        try:
-            ver[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            ver[pkg] = "absent"
-    blob = json.dumps({"format": SPEC_CACHE_FORMAT, "kind": kind, "args": list(args), "lazytrain": __version__,
-                       "code": model_code_fingerprint(), **ver}, sort_keys=True)
+    blob = json.dumps({"format": SPEC_CACHE_FORMAT, "kind": kind, "args": list(args), "code": _package_fingerprint(),
+                       **installed_versions(("torch", "transformers", *KERNEL_PACKAGES))}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
